@@ -1,0 +1,49 @@
+"""The data-parallel axis a transform communicates over."""
+
+from __future__ import annotations
+
+from typing import Hashable, NamedTuple, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+AxisName = Union[Hashable, Sequence[Hashable], None]
+
+
+class Axis(NamedTuple):
+  """Where a transform runs: the bound axis name (or None), its size, our index."""
+
+  name: AxisName
+  size: int
+  index: jax.Array  # int32 scalar, traced
+
+
+def check_axis_name(axis_name: AxisName) -> AxisName:
+  """Validates ``axis_name`` at construction: None, a hashable, or a tuple of them."""
+  if axis_name is None:
+    return None
+  if isinstance(axis_name, list):
+    axis_name = tuple(axis_name)
+  try:
+    hash(axis_name)
+  except TypeError as e:
+    raise TypeError(
+        "axis_name must be None, a hashable mesh/pmap axis name, or a tuple of"
+        f" them; got axis_name={axis_name!r}") from e
+  return axis_name
+
+
+def current_axis(axis_name: AxisName) -> Axis:
+  """Resolves ``axis_name`` at trace time, with a clear error when it is unbound."""
+  if axis_name is None:
+    return Axis(None, 1, jnp.zeros((), jnp.int32))
+  try:
+    size = lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"axis_name={axis_name!r} is not bound here: call tx.update inside"
+        f" jax.pmap(..., axis_name={axis_name!r}) or jax.shard_map over a mesh"
+        " with that axis, or build the transform with axis_name=None for a"
+        " local compress/decode round trip.") from e
+  return Axis(axis_name, int(size), lax.axis_index(axis_name).astype(jnp.int32))

@@ -1,0 +1,71 @@
+"""Bit packing of small unsigned fields (1, 2, 4 or 8 bits) into uint8 words.
+
+Every method that sends signs, ternary values, small levels or tags packs them
+here, so that what crosses a collective is ``ceil(n * bits / 8)`` bytes.
+Packing works on the last axis; leading axes are batch axes.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+_ALLOWED_BITS = (1, 2, 4, 8)
+
+
+def _check_bits(bits: int) -> int:
+  if bits not in _ALLOWED_BITS:
+    raise ValueError(f"bits must be one of {_ALLOWED_BITS}, got bits={bits!r}")
+  return 8 // bits
+
+
+def packed_size(n: int, bits: int) -> int:
+  """Number of uint8 words that hold ``n`` fields of ``bits`` bits."""
+  per = _check_bits(bits)
+  return -(-n // per)
+
+
+def pack(fields: jnp.ndarray, bits: int) -> jnp.ndarray:
+  """Packs unsigned fields ``0 <= f < 2**bits`` along the last axis into uint8.
+
+  The last axis of length n becomes ``packed_size(n, bits)``; the tail is
+  zero-padded. Field i of a word sits at bit offset ``i * bits`` (LSB first).
+  """
+  per = _check_bits(bits)
+  fields = jnp.asarray(fields).astype(jnp.uint8)
+  if bits == 8:
+    return fields
+  n = fields.shape[-1]
+  m = packed_size(n, bits)
+  pad = m * per - n
+  if pad:
+    fields = jnp.pad(fields, [(0, 0)] * (fields.ndim - 1) + [(0, pad)])
+  fields = fields.reshape(fields.shape[:-1] + (m, per))
+  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+  # Fields occupy disjoint bits, so a sum is an OR; uint8 sum cannot overflow.
+  return jnp.sum(fields << shifts, axis=-1, dtype=jnp.uint8)
+
+
+def unpack(words: jnp.ndarray, bits: int, n: int) -> jnp.ndarray:
+  """Inverse of :func:`pack`: uint8 words -> ``n`` uint8 fields on the last axis."""
+  per = _check_bits(bits)
+  words = jnp.asarray(words)
+  if words.dtype != jnp.uint8:
+    raise TypeError(f"words must be uint8, got dtype={words.dtype}")
+  if bits == 8:
+    return words[..., :n]
+  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+  mask = jnp.uint8((1 << bits) - 1)
+  fields = (words[..., None] >> shifts) & mask
+  fields = fields.reshape(words.shape[:-1] + (words.shape[-1] * per,))
+  return fields[..., :n]
+
+
+def pack_signs(x: jnp.ndarray) -> jnp.ndarray:
+  """Packs ``x >= 0`` as one bit per element (1 = non-negative), 8 per byte."""
+  return pack(x >= 0, 1)
+
+
+def unpack_signs(words: jnp.ndarray, n: int, dtype=jnp.float32) -> jnp.ndarray:
+  """Unpacks :func:`pack_signs` words to +1 / -1 values of ``dtype``."""
+  bits = unpack(words, 1, n)
+  return (2 * bits.astype(dtype) - 1).astype(dtype)

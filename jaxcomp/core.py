@@ -1,0 +1,351 @@
+"""The generic builder: policy -> memory -> codec -> communicator -> memory.
+
+A method is a :class:`Method`: a ``route`` that sends each gradient leaf to an
+:class:`Exchange` (codec + communicator) under a view shape, and a memory
+(error feedback). :func:`build` turns it into an ``optax.GradientTransformation``
+whose state is a :class:`CompressState` of arrays only.
+
+Leaves that share an exchange and a view shape are stacked into one group and
+compressed by one batched (vmapped) kernel, so the compiled program grows with
+the number of distinct shapes, not with the number of leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomp.collectives import ops
+from jaxcomp.collectives.axis import Axis, AxisName, check_axis_name, current_axis
+
+
+class CompressState(NamedTuple):
+  """State of every jaxcomp transform; a pytree of arrays.
+
+  Attributes:
+    count: int32 number of updates so far (saturates instead of overflowing).
+    key: uint32[2] PRNG key, identical on every worker (split once per step).
+    memory: the memory's state: the error-feedback residual (a pytree like the
+      gradients), a momentum, or ``()``.
+    extra: one entry per leaf group for exchanges that keep state (PowerSGD's
+      warm-started Q), else ``()``.
+  """
+
+  count: jax.Array
+  key: jax.Array
+  memory: Any
+  extra: Any
+
+
+class Ctx(NamedTuple):
+  """What an exchange sees besides its group: the axis, a shared key, the step."""
+
+  axis: Axis
+  key: jax.Array  # shared by all workers; fold in axis.index for independence
+  count: jax.Array
+
+
+# ----------------------------------------------------------------------------
+# Memory (error feedback)
+
+
+class Memory:
+  """Error feedback: ``x = beta * e + gamma * g``; ``e <- x - sent``; output / gamma.
+
+  Non-finite values never enter the residual: where the input ``x`` is not
+  finite the residual is reset to 0 (the NaN/Inf still reaches this step's
+  output); where the local decode is not finite nothing usable was sent, so
+  the whole finite ``x`` is kept.
+  """
+
+  def __init__(self, beta: float = 1.0, gamma: float = 1.0, enabled: bool = True):
+    self.beta, self.gamma, self.enabled = float(beta), float(gamma), bool(enabled)
+
+  def init(self, params: Any) -> Any:
+    if not self.enabled:
+      return ()
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def compensate(self, grads: Any, state: Any) -> Any:
+    scaled = jax.tree.map(lambda g: self.gamma * g.astype(jnp.float32), grads)
+    if not self.enabled:
+      return scaled
+    return jax.tree.map(lambda g, e: self.beta * e.astype(jnp.float32) + g, scaled, state)
+
+  def update(self, x: Any, sent: Any, state: Any) -> Any:
+    if not self.enabled:
+      return ()
+
+    def one(x, s, e):
+      r = jnp.where(jnp.isfinite(s), x - s, x)
+      return jnp.where(jnp.isfinite(x), r, 0.0).astype(e.dtype)
+
+    return jax.tree.map(one, x, sent, state)
+
+  def like_params(self, state: Any) -> Optional[Any]:
+    """The part of the state shaped like the gradients (checked against them)."""
+    return state if self.enabled else None
+
+  def output(self, mean: Any) -> Any:
+    if self.gamma == 1.0:
+      return mean
+    return jax.tree.map(lambda m: m / self.gamma, mean)
+
+
+# ----------------------------------------------------------------------------
+# Exchanges: how a group of same-view leaves is compressed and communicated
+
+
+class Exchange:
+  """Compresses and communicates a stacked group ``X`` of shape ``(G, *view)``.
+
+  Subclasses implement ``__call__(X, extra, ctx) -> (mean, local, extra)``:
+  ``mean`` is the decoded mean over the axis (identical on every worker),
+  ``local`` what this worker's memory counts as sent, and ``wire_bytes``, the
+  nominal bytes one worker hands to collectives for the group.
+  """
+
+  def init(self, view: Tuple[int, ...], group: int, key: jax.Array) -> Any:
+    del view, group, key
+    return ()
+
+  def __call__(self, X, extra, ctx: Ctx):
+    raise NotImplementedError
+
+  def wire_bytes(self, view: Tuple[int, ...], group: int) -> int:
+    raise NotImplementedError
+
+
+class Codec:
+  """Encode/decode of one flat float32 vector of length n (static).
+
+  ``encode(x, key) -> payload`` (a pytree of arrays of static shapes) and
+  ``decode(payload, key, n) -> x_hat``. ``linear`` codecs satisfy
+  ``decode(sum of payloads) == sum of decodes`` and travel through psum;
+  the others are all-gathered and combined by ``aggregate`` (default: the
+  mean of the decoded payloads). ``shared_key``: the key is identical on every
+  worker (random-k positions); otherwise each worker folds in its index.
+  """
+
+  linear: bool = False
+  shared_key: bool = False
+
+  def encode(self, x: jax.Array, key: jax.Array) -> Any:
+    raise NotImplementedError
+
+  def decode(self, payload: Any, key: jax.Array, n: int) -> jax.Array:
+    raise NotImplementedError
+
+  def aggregate(self, gathered: Any, key: jax.Array, n: int, num: int) -> jax.Array:
+    """Mean over the leading (worker) axis of ``gathered`` payloads."""
+    dec = jax.vmap(lambda p: self.decode(p, key, n))(gathered)
+    return jnp.mean(dec, axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecExchange(Exchange):
+  """A codec over the flat view ``(n,)``, moved by psum or by all-gather."""
+
+  codec: Codec
+
+  def _keys(self, ctx: Ctx, group: int):
+    key = ctx.key if self.codec.shared_key else jax.random.fold_in(ctx.key, ctx.axis.index)
+    return jax.random.split(key, group), jax.random.split(ctx.key, group)
+
+  def __call__(self, X, extra, ctx: Ctx):
+    group, n = X.shape
+    enc_keys, shared_keys = self._keys(ctx, group)
+    dec_keys = enc_keys if self.codec.shared_key else shared_keys
+    encode = jax.vmap(self.codec.encode)
+    decode = jax.vmap(lambda p, k: self.codec.decode(p, k, n))
+    if self.codec.linear:
+      num = ctx.axis.size
+      payload = encode(X / num, enc_keys)
+      local = decode(payload, enc_keys) * num
+      mean = decode(ops.allreduce_sum(payload, ctx.axis), enc_keys)
+      return mean, local, extra
+    payload = encode(X, enc_keys)
+    local = decode(payload, enc_keys)
+    if ctx.axis.name is None:
+      return local, local, extra
+    gathered = ops.allgather(payload, ctx.axis)  # leaves (N, G, ...)
+    gathered = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), gathered)
+    mean = jax.vmap(lambda p, k: self.codec.aggregate(p, k, n, ctx.axis.size))(
+        gathered, dec_keys)
+    return mean, local, extra
+
+  def wire_bytes(self, view, group):
+    (n,) = view
+    x = jax.ShapeDtypeStruct((group, n), jnp.float32)
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.PRNGKey(0), group))
+    shapes = jax.eval_shape(jax.vmap(self.codec.encode), x, keys)
+    return int(sum(np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
+
+
+class DenseCodec(Codec):
+  """The identity in float32: the dense mean, i.e. ``lax.pmean``."""
+
+  linear = True
+
+  def encode(self, x, key):
+    return x
+
+  def decode(self, payload, key, n):
+    return payload
+
+
+DENSE = CodecExchange(DenseCodec())
+
+
+def flat_route(exchange: Exchange) -> Callable:
+  """A route that sends every leaf, flattened to ``(n,)``, to ``exchange``."""
+
+  def route(shape):
+    return exchange, (int(np.prod(shape, dtype=np.int64)),)
+
+  return route
+
+
+# ----------------------------------------------------------------------------
+# The method and the builder
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A compression method: its name, how leaves are routed, and its memory."""
+
+  name: str
+  route: Callable[[Tuple[int, ...]], Tuple[Exchange, Tuple[int, ...]]]
+  memory: Memory
+
+  def plan(self, leaves: Sequence[Any]):
+    """Groups leaf indices by (exchange, view); empty leaves are skipped."""
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+      if np.prod(leaf.shape, dtype=np.int64) == 0:
+        continue
+      exchange, view = self.route(tuple(leaf.shape))
+      groups.setdefault((exchange, tuple(view)), []).append(i)
+    return [(ex, view, idx) for (ex, view), idx in groups.items()]
+
+  def wire_bytes(self, params: Any) -> int:
+    """Nominal bytes one worker hands to collectives per step for ``params``."""
+    leaves = jax.tree.leaves(params)
+    return sum(ex.wire_bytes(view, len(idx)) for ex, view, idx in self.plan(leaves))
+
+
+class CompressionTransformation(optax.GradientTransformation):
+  """An ``optax.GradientTransformation`` that also carries its :class:`Method`."""
+
+  method: Method
+
+
+def _check_leaves(leaves, paths):
+  for leaf, path in zip(leaves, paths):
+    if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
+      raise TypeError(
+          f"updates: leaf {jax.tree_util.keystr(path)} has dtype {leaf.dtype};"
+          " jaxcomp compresses floating-point gradients only (float32, bfloat16,"
+          " float16). Mask integer leaves out with optax.masked or"
+          " optax.multi_transform.")
+
+
+def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> CompressionTransformation:
+  """Assembles ``method`` into an optax transformation communicating over ``axis_name``.
+
+  Args:
+    method: routes, exchanges and memory.
+    axis_name: the pmap / shard_map axis (or tuple of axes) to average over;
+      ``None`` runs a local compress -> decode round trip.
+    seed: seeds the PRNG key in the state (identical on every worker).
+
+  Returns:
+    A :class:`CompressionTransformation`; its ``update`` returns the mean over
+    the axis of what the workers sent, identical on every worker.
+  """
+  axis_name = check_axis_name(axis_name)
+  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+    raise TypeError(f"seed must be an int, got seed={seed!r}")
+
+  def init_fn(params):
+    leaves = jax.tree.leaves(params)
+    key = jax.random.PRNGKey(seed)
+    extra = tuple(
+        ex.init(view, len(idx), jax.random.fold_in(key, g))
+        for g, (ex, view, idx) in enumerate(method.plan(leaves)))
+    return CompressState(
+        count=jnp.zeros((), jnp.int32), key=key,
+        memory=method.memory.init(params), extra=extra)
+
+  def update_fn(updates, state, params=None):
+    del params
+    if not isinstance(state, CompressState):
+      raise TypeError(f"state must be the CompressState from tx.init, got {type(state).__name__}")
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    paths = [p for p, _ in paths_leaves]
+    leaves = [leaf for _, leaf in paths_leaves]
+    _check_leaves(leaves, paths)
+    like = method.memory.like_params(state.memory)
+    if like is not None:
+      mem_def = jax.tree.structure(like)
+      if mem_def != treedef:
+        raise ValueError(
+            "updates do not match the state: the gradient tree is"
+            f" {treedef}, the state was initialized for {mem_def}. Call tx.init"
+            " on parameters with the same structure as the gradients.")
+      for (path, g), e in zip(paths_leaves, jax.tree.leaves(like)):
+        if g.shape != e.shape:
+          raise ValueError(
+              f"updates: leaf {jax.tree_util.keystr(path)} has shape {g.shape}"
+              f" but the state holds {e.shape}; the gradients do not match the"
+              " parameters given to tx.init.")
+    plan = method.plan(leaves)
+    if len(plan) != len(state.extra):
+      raise ValueError(
+          f"updates do not match the state: {len(plan)} leaf groups now,"
+          f" {len(state.extra)} when tx.init was called.")
+
+    axis = current_axis(axis_name)
+    key, step_key = jax.random.split(state.key)
+    x = jax.tree.leaves(method.memory.compensate(updates, state.memory))
+    mean = list(x)
+    local = list(x)
+    extra = []
+    for g, ((ex, view, idx), ex_state) in enumerate(zip(plan, state.extra)):
+      ctx = Ctx(axis, jax.random.fold_in(step_key, g), state.count)
+      X = jnp.stack([x[i].reshape(view) for i in idx])
+      m, loc, ex_state = ex(X, ex_state, ctx)
+      extra.append(ex_state)
+      for j, i in enumerate(idx):
+        mean[i] = m[j].reshape(leaves[i].shape)
+        local[i] = loc[j].reshape(leaves[i].shape)
+    memory = method.memory.update(
+        treedef.unflatten(x), treedef.unflatten(local), state.memory)
+    out = jax.tree.leaves(method.memory.output(treedef.unflatten(mean)))
+    out = treedef.unflatten([o.astype(leaf.dtype) for o, leaf in zip(out, leaves)])
+    new_state = CompressState(
+        count=optax.safe_int32_increment(state.count), key=key,
+        memory=memory, extra=tuple(extra))
+    return out, new_state
+
+  tx = CompressionTransformation(init_fn, update_fn)
+  tx.method = method
+  return tx
+
+
+def wire_bytes(tx: Any, params: Any) -> int:
+  """Nominal payload bytes one worker sends per step with ``tx`` for ``params``.
+
+  For psum-ed payloads this is the all-reduce buffer; for gathered payloads,
+  what one worker contributes to the all-gather. Compare with
+  :func:`jaxcomp.collectives.wire.measure_wire_bytes` on the compiled step.
+  """
+  method = getattr(tx, "method", None)
+  if not isinstance(method, Method):
+    raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
+  return method.wire_bytes(params)

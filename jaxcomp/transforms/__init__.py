@@ -1,0 +1,1 @@
+"""Compression methods, one module per family."""

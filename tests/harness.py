@@ -1,0 +1,94 @@
+"""Shared machinery for the property tests: run a transform under pmap and shard_map.
+
+Every test module imports from here instead of writing its own loops, so that
+all methods are held to the same properties.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec as P
+
+import jaxcomp
+
+N = 8
+AXIS = "data"
+
+
+def params_tree():
+  """A small model-shaped tree: a dense layer, a conv kernel, a bias, a scalar."""
+  return {
+      "conv": {"kernel": jnp.zeros((3, 3, 4, 8), jnp.float32)},
+      "dense": {"kernel": jnp.zeros((40, 24), jnp.float32), "bias": jnp.zeros((24,), jnp.float32)},
+      "scale": jnp.zeros((), jnp.float32),
+  }
+
+
+def worker_grads(params, seed: int = 0, n: int = N):
+  """Different random gradients per worker, stacked on a leading axis of size n."""
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return treedef.unflatten(
+      [jax.random.normal(k, (n,) + leaf.shape, jnp.float32) for k, leaf in zip(keys, leaves)])
+
+
+def mesh(n: int = N):
+  return jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+@functools.lru_cache(maxsize=None)
+def _pmap_step(tx):
+  return jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)
+
+
+@functools.lru_cache(maxsize=None)
+def _shard_step(tx, n):
+  def step(g, s):
+    out, s = tx.update(jaxcomp.local(g), jaxcomp.local(s))
+    return jaxcomp.stacked(out), jaxcomp.stacked(s)
+
+  return jax.jit(jax.shard_map(step, mesh=mesh(n), in_specs=(P(AXIS), P(AXIS)),
+                               out_specs=(P(AXIS), P(AXIS))))
+
+
+def run_pmap(tx, grads, state):
+  """One step under ``jax.pmap``; grads and state carry the worker axis."""
+  return _pmap_step(tx)(grads, state)
+
+
+def run_shard_map(tx, grads, state):
+  """One step under ``jax.jit(jax.shard_map)`` over a 1-D mesh; same layout as pmap."""
+  n = jax.tree.leaves(grads)[0].shape[0]
+  return _shard_step(tx, n)(grads, state)
+
+
+def init_stacked(tx, params, n: int = N):
+  return jaxcomp.per_worker(tx.init(params), n)
+
+
+def assert_replicas_equal(updates):
+  """Every worker holds bit-identical updates."""
+  for leaf in jax.tree.leaves(updates):
+    a = np.asarray(leaf)
+    np.testing.assert_array_equal(a, np.broadcast_to(a[:1], a.shape))
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+
+
+def pmap_wire_bytes(tx, params, n: int = N):
+  """Bytes measured from the compiled pmap step's HLO."""
+  grads = worker_grads(params, n=n)
+  state = init_stacked(tx, params, n)
+  return jaxcomp.measure_wire_bytes(_pmap_step(tx), grads, state)
+
+
+def local_round_trip(tx, grads, state):
+  """``axis_name=None`` update, jitted (one worker, no collective)."""
+  return jax.jit(tx.update)(grads, state)
