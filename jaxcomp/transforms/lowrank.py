@@ -66,7 +66,8 @@ class PowerSGDExchange(Exchange):
   def __call__(self, X, Q, ctx: Ctx):
     if self.start_step <= 0:
       return self._compressed(X, Q, ctx)
-    return lax.cond(ctx.count < self.start_step, self._dense, self._compressed, X, Q, ctx)
+    return lax.cond(ctx.count < self.start_step, lambda X, Q: self._dense(X, Q, ctx),
+                    lambda X, Q: self._compressed(X, Q, ctx), X, Q)
 
   def wire_bytes(self, view, group):
     a, b = view

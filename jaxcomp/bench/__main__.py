@@ -1,0 +1,33 @@
+"""``python -m jaxcomp.bench [SUBCOMMAND] [options]``.
+
+Without a subcommand: the training benchmark (every method on the same
+budget). Each subcommand is a module ``jaxcomp.bench.<name>`` with
+``main(argv)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "train": "jaxcomp.bench.train",        # the main job (default)
+    "kernels": "jaxcomp.bench.kernels",    # compress+decode speed vs a memory copy
+    "network": "jaxcomp.bench.network",    # alpha-beta network model table
+    "selection": "jaxcomp.bench.selection",  # RedSync selection vs lax.top_k
+    "wire": "jaxcomp.bench.wire",          # payload bits per element, nominal and measured
+}
+
+
+def main(argv=None) -> None:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  name = "train"
+  if argv and argv[0] in SUBCOMMANDS:
+    name = argv.pop(0)
+  elif argv and not argv[0].startswith("-"):
+    raise SystemExit(f"unknown subcommand {argv[0]!r}; choose one of {sorted(SUBCOMMANDS)}")
+  importlib.import_module(SUBCOMMANDS[name]).main(argv)
+
+
+if __name__ == "__main__":
+  main()
