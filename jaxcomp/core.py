@@ -108,7 +108,12 @@ class Exchange:
   ``mean`` is the decoded mean over the axis (identical on every worker),
   ``local`` what this worker's memory counts as sent, and ``wire_bytes``, the
   nominal bytes one worker hands to collectives for the group.
+  ``carries_nonfinite``: a NaN or Inf anywhere in any worker's ``X`` always
+  makes ``mean`` non-finite (a float psum of the values does); :func:`build`
+  then needs no flag collective to tell every worker about it.
   """
+
+  carries_nonfinite: bool = False
 
   def init(self, view: Tuple[int, ...], group: int, key: jax.Array) -> Any:
     del view, group, key
@@ -134,6 +139,7 @@ class Codec:
 
   linear: bool = False
   shared_key: bool = False
+  carries_nonfinite: bool = False
 
   def encode(self, x: jax.Array, key: jax.Array) -> Any:
     raise NotImplementedError
@@ -152,6 +158,10 @@ class CodecExchange(Exchange):
   """A codec over the flat view ``(n,)``, moved by psum or by all-gather."""
 
   codec: Codec
+
+  @property
+  def carries_nonfinite(self) -> bool:
+    return self.codec.carries_nonfinite
 
   def _keys(self, ctx: Ctx, group: int):
     key = ctx.key if self.codec.shared_key else jax.random.fold_in(ctx.key, ctx.axis.index)
@@ -191,6 +201,7 @@ class DenseCodec(Codec):
   """The identity in float32: the dense mean, i.e. ``lax.pmean``."""
 
   linear = True
+  carries_nonfinite = True
 
   def encode(self, x, key):
     return x
@@ -200,6 +211,25 @@ class DenseCodec(Codec):
 
 
 DENSE = CodecExchange(DenseCodec())
+
+
+class FusedExchange:
+  """Compresses and communicates all leaf groups of a step at once (tensor fusion).
+
+  For methods whose collectives span groups, e.g. ACP-SGD's one all-reduce
+  for the factors of every layer. ``__call__(groups, xs, extras, ctx)`` gets
+  the plan (one ``(exchange, view, leaf indices)`` per group), each group's
+  stacked input ``(G, *view)`` and state (made by the group exchange's
+  ``init``), and a ``ctx`` whose key is the step's; it returns one
+  ``(mean, local, extra)`` per group. ``wire_bytes(groups)``: the nominal bytes
+  per step. The groups' ``carries_nonfinite`` must stay true of the fused path.
+  """
+
+  def __call__(self, groups, xs, extras, ctx: Ctx):
+    raise NotImplementedError
+
+  def wire_bytes(self, groups) -> int:
+    raise NotImplementedError
 
 
 def flat_route(exchange: Exchange) -> Callable:
@@ -217,11 +247,16 @@ def flat_route(exchange: Exchange) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """A compression method: its name, how leaves are routed, and its memory."""
+  """A compression method: its name, how leaves are routed, and its memory.
+
+  ``fused``: when set, one :class:`FusedExchange` handles every group of a
+  step instead of each group's exchange on its own.
+  """
 
   name: str
   route: Callable[[Tuple[int, ...]], Tuple[Exchange, Tuple[int, ...]]]
   memory: Memory
+  fused: FusedExchange | None = None
 
   def plan(self, leaves: Sequence[Any]):
     """Groups leaf indices by (exchange, view); empty leaves are skipped."""
@@ -233,10 +268,21 @@ class Method:
       groups.setdefault((exchange, tuple(view)), []).append(i)
     return [(ex, view, idx) for (ex, view), idx in groups.items()]
 
-  def wire_bytes(self, params: Any) -> int:
-    """Nominal bytes one worker hands to collectives per step for ``params``."""
-    leaves = jax.tree.leaves(params)
-    return sum(ex.wire_bytes(view, len(idx)) for ex, view, idx in self.plan(leaves))
+  def wire_bytes(self, params: Any, nonfinite_flag: bool = True) -> int:
+    """Nominal bytes one worker hands to collectives per step for ``params``.
+
+    ``nonfinite_flag``: count the int32 that tells every worker about a
+    non-finite step (see :func:`build`); it is sent only over an axis, and
+    only when some leaf group's exchange does not carry NaN/Inf by itself.
+    """
+    plan = self.plan(jax.tree.leaves(params))
+    flag = nonfinite_flag and any(not ex.carries_nonfinite for ex, _, _ in plan)
+    if self.fused is not None:
+      payload = self.fused.wire_bytes(plan)
+    else:
+      payload = sum(ex.wire_bytes(view, len(idx)) for ex, view, idx in plan)
+    return payload + (
+        NONFINITE_FLAG_BYTES if flag else 0)
 
 
 class CompressionTransformation(optax.GradientTransformation):
@@ -255,6 +301,31 @@ def _check_leaves(leaves, paths):
           " optax.multi_transform.")
 
 
+NONFINITE_FLAG_BYTES = 4  # one int32 all-reduced per step, see build()
+
+
+def _any_nonfinite(leaves) -> jax.Array:
+  flags = [~jnp.all(jnp.isfinite(leaf)) for leaf in leaves if leaf.size]
+  return jnp.any(jnp.stack(flags)) if flags else jnp.zeros((), bool)
+
+
+def _nonfinite_step(plan, x, out, axis: Axis) -> jax.Array:
+  """True, identically on every worker, when this step must be skipped.
+
+  That is when any worker's compensated input ``x`` or the output (identical
+  on every worker) holds a NaN or Inf. Whether some worker's input did is
+  all-reduced as one int32 (4 bytes), unless every exchange carries NaN/Inf
+  into the mean by itself (the dense float psums), so the output shows it.
+  """
+  bad = _any_nonfinite(out)
+  if axis.name is None:
+    return bad | _any_nonfinite(x)
+  if all(ex.carries_nonfinite for ex, _, _ in plan):
+    return bad
+  votes = ops.allreduce_sum(_any_nonfinite(x).astype(jnp.int32), axis)
+  return bad | (votes > 0)
+
+
 def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> CompressionTransformation:
   """Assembles ``method`` into an optax transformation communicating over ``axis_name``.
 
@@ -267,10 +338,26 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
   Returns:
     A :class:`CompressionTransformation`; its ``update`` returns the mean over
     the axis of what the workers sent, identical on every worker.
+
+  Non-finite steps: if any worker's gradient (after error-feedback
+  compensation) or the output holds a NaN or Inf, every entry of the output
+  is NaN on every worker, so that a guard such as ``optax.apply_if_finite``
+  skips the step on all replicas together. The step then counts nothing as
+  sent: the residual keeps every finite value of its input (non-finite
+  entries are reset to 0) and the exchanges' state (PowerSGD's Q) is left as
+  it was; the next step is finite again. Codecs lose NaNs (a sign bit, an
+  unsampled position), so whether some worker's input was non-finite is
+  all-reduced as one int32 (4 bytes, counted by :func:`wire_bytes`); a flag
+  inside the payloads would need a change to every exchange and still cost
+  bytes (sign payloads have no spare bit). Methods whose exchanges all psum
+  the float values (none, fp16, bf16) carry NaN/Inf into the mean and skip
+  the flag.
   """
   axis_name = check_axis_name(axis_name)
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise TypeError(f"seed must be an int, got seed={seed!r}")
+  if not -2 ** 63 <= int(seed) < 2 ** 63:
+    raise ValueError(f"seed must fit in int64, got seed={seed!r}")
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)
@@ -316,18 +403,29 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
     mean = list(x)
     local = list(x)
     extra = []
+    xs = [jnp.stack([x[i].reshape(view) for i in idx]) for _, view, idx in plan]
+    if method.fused is not None:
+      fused = method.fused(plan, xs, tuple(state.extra), Ctx(axis, step_key, state.count))
     for g, ((ex, view, idx), ex_state) in enumerate(zip(plan, state.extra)):
-      ctx = Ctx(axis, jax.random.fold_in(step_key, g), state.count)
-      X = jnp.stack([x[i].reshape(view) for i in idx])
-      m, loc, ex_state = ex(X, ex_state, ctx)
+      if method.fused is not None:
+        m, loc, ex_state = fused[g]
+      else:
+        m, loc, ex_state = ex(xs[g], ex_state, Ctx(axis, jax.random.fold_in(step_key, g), state.count))
       extra.append(ex_state)
       for j, i in enumerate(idx):
         mean[i] = m[j].reshape(leaves[i].shape)
         local[i] = loc[j].reshape(leaves[i].shape)
+    out = jax.tree.leaves(method.memory.output(treedef.unflatten(mean)))
+    out = [o.astype(leaf.dtype) for o, leaf in zip(out, leaves)]
+    if plan:
+      bad = _nonfinite_step(plan, x, out, axis)
+      out = [jnp.where(bad, jnp.nan, o).astype(o.dtype) for o in out]
+      local = [jnp.where(bad, 0.0, s) for s in local]
+      extra = [jax.tree.map(lambda new, old: jnp.where(bad, old, new), e, e0)
+               for e, e0 in zip(extra, state.extra)]
+    out = treedef.unflatten(out)
     memory = method.memory.update(
         treedef.unflatten(x), treedef.unflatten(local), state.memory)
-    out = jax.tree.leaves(method.memory.output(treedef.unflatten(mean)))
-    out = treedef.unflatten([o.astype(leaf.dtype) for o, leaf in zip(out, leaves)])
     new_state = CompressState(
         count=optax.safe_int32_increment(state.count), key=key,
         memory=memory, extra=tuple(extra))
@@ -335,6 +433,7 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
 
   tx = CompressionTransformation(init_fn, update_fn)
   tx.method = method
+  tx.axis_name = axis_name
   return tx
 
 
@@ -348,4 +447,4 @@ def wire_bytes(tx: Any, params: Any) -> int:
   method = getattr(tx, "method", None)
   if not isinstance(method, Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
-  return method.wire_bytes(params)
+  return method.wire_bytes(params, nonfinite_flag=getattr(tx, "axis_name", None) is not None)

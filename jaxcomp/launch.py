@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -32,12 +33,18 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def initialize(local_devices: Optional[int] = None, timeout_s: int = 60) -> None:
+def initialize(local_devices: Optional[int] = None, timeout_s: int = 60,
+               heartbeat_timeout_s: int = 20) -> None:
   """Inside a launched process: set up CPU devices and ``jax.distributed``.
 
   Reads the coordinator, process count and id from the environment that
-  :func:`launch` set. ``timeout_s`` bounds the initialization and, through
-  the heartbeat settings, how long a process waits for a dead peer.
+  :func:`launch` set. ``timeout_s`` bounds the initialization.
+  ``heartbeat_timeout_s`` bounds how long a process waits for a dead peer:
+  a collective with a process that died blocks (gloo does not notice), until
+  the coordination service misses the peer's heartbeats for this long and
+  aborts every survivor with "Terminating process because the JAX
+  distributed service detected fatal errors" (JAX's default is 100 s). A
+  peer that hangs but lives keeps beating: use :class:`Watchdog` for that.
   """
   import jax
 
@@ -57,9 +64,69 @@ def initialize(local_devices: Optional[int] = None, timeout_s: int = 60) -> None
       num_processes=int(os.environ[ENV_NPROC]),
       process_id=int(os.environ[ENV_PID]),
       initialization_timeout=timeout_s,
+      heartbeat_timeout_seconds=heartbeat_timeout_s,
   )
   if jax.local_device_count() != n:
     raise RuntimeError(f"asked for {n} local CPU devices, JAX made {jax.local_device_count()}")
+
+
+class Watchdog:
+  """Exits the process with a clear error when training stops making progress.
+
+  A collective whose peer process died or hangs blocks forever; a daemon
+  thread sees that no :meth:`beat` came for ``timeout_s`` seconds, writes
+  which step was the last to finish to stderr and ends the process with
+  ``exit_code`` (75, EX_TEMPFAIL: restart from the last checkpoint)::
+
+    with jaxcomp.launch.Watchdog(timeout_s=120) as dog:
+      for step in range(start, steps):
+        params, state = train_step(params, state, batch)
+        jax.block_until_ready(params)  # a beat means the step really finished
+        dog.beat(step)
+
+  Choose ``timeout_s`` above the slowest step, the first one (compilation)
+  included, or start the watchdog after it.
+  """
+
+  def __init__(self, timeout_s: float, exit_code: int = 75):
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+      raise ValueError(f"timeout_s must be a number > 0, got timeout_s={timeout_s!r}")
+    self.timeout_s, self.exit_code = float(timeout_s), int(exit_code)
+    self.step: Optional[int] = None
+    self._last = time.monotonic()
+    self._stop = threading.Event()
+    self._thread: Optional[threading.Thread] = None
+
+  def beat(self, step: Optional[int] = None) -> None:
+    """Records progress (``step`` finished)."""
+    self.step, self._last = step, time.monotonic()
+
+  def start(self) -> "Watchdog":
+    self._last = time.monotonic()
+    self._thread = threading.Thread(target=self._watch, name="jaxcomp-watchdog", daemon=True)
+    self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+
+  def __enter__(self) -> "Watchdog":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+  def _watch(self) -> None:
+    while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+      idle = time.monotonic() - self._last
+      if idle > self.timeout_s:
+        last = "no step" if self.step is None else f"step {self.step}"
+        os.write(2, (
+            f"jaxcomp.launch.Watchdog: no progress for {idle:.0f} s (timeout_s={self.timeout_s:g});"
+            f" the last to finish was {last}. A peer process probably died or hangs inside a"
+            f" collective. Exiting with code {self.exit_code}; restart from the last checkpoint.\n"
+        ).encode())
+        os._exit(self.exit_code)
 
 
 @dataclasses.dataclass
@@ -130,7 +197,7 @@ def launch(argv: Sequence[str], num_processes: int = 2, local_devices: int = 1,
         break
       time.sleep(0.05)
     results = []
-    for i, (p, (out, err)) in enumerate(zip(procs, files)):
+    for i, (p, (out, err)) in enumerate(zip(procs, files, strict=True)):
       out.seek(0)
       err.seek(0)
       results.append(Result(i, None if killed[i] else p.returncode, out.read(), err.read(), ended[i]))

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "network": "jaxcomp.bench.network",    # alpha-beta network model table
     "selection": "jaxcomp.bench.selection",  # RedSync selection vs lax.top_k
     "wire": "jaxcomp.bench.wire",          # payload bits per element, nominal and measured
+    "longrun": "jaxcomp.bench.longrun",    # thousands of steps: bounded residuals, keys, replicas
 }
 
 

@@ -6,6 +6,7 @@ from typing import Hashable, NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 AxisName = Union[Hashable, Sequence[Hashable], None]
@@ -25,6 +26,11 @@ def check_axis_name(axis_name: AxisName) -> AxisName:
     return None
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if any(isinstance(a, (int, np.integer)) for a in names):  # bool too
+    raise TypeError(
+        "axis_name must be None, a name such as 'data', or a tuple of names, not an int"
+        f" (JAX reads an int in a collective as a positional array axis); got axis_name={axis_name!r}")
   try:
     hash(axis_name)
   except TypeError as e:

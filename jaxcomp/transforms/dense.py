@@ -29,6 +29,7 @@ class CastCodec(Codec):
 
   dtype: str
   linear = True
+  carries_nonfinite = True  # NaN/Inf survive the cast and the psum
 
   def encode(self, x, key):
     return x.astype(self.dtype)

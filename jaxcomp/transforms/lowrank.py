@@ -105,7 +105,7 @@ def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: fl
   rate = _args.positive("min_compression_rate", min_compression_rate)
   if rate < 1:
     raise ValueError(f"min_compression_rate must be >= 1, got min_compression_rate={min_compression_rate!r}")
-  start = _args.integer("start_step", start_step, 0)
+  start = _args.integer("start_step", start_step, 0, 2 ** 31 - 1)  # the step count is int32
   ef = _args.flag("error_feedback", error_feedback)
   lowrank = PowerSGDExchange(r, start)
 

@@ -1,4 +1,4 @@
-"""QSGD: stochastic rounding of |x| / ||x|| to s levels, levels packed narrow."""
+"""Quantizers: QSGD, TernGrad, natural compression, and Dettmers' 8-bit code."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
@@ -69,3 +71,249 @@ def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = F
   s = _args.integer("levels", levels, 1, 127)
   ef = _args.flag("error_feedback", error_feedback)
   return build(Method("qsgd", flat_route(CodecExchange(QSGDCodec(s))), Memory(enabled=ef)), axis_name, seed)
+
+
+# ----------------------------------------------------------------------------
+# TernGrad
+
+
+@dataclasses.dataclass(frozen=True)
+class TernGradCodec(Codec):
+  """Payload: the float32 scale and n ternary values in {-1, 0, 1}, 2 bits each."""
+
+  clip_sigma: float | None
+
+  def clip(self, x: jax.Array) -> jax.Array:
+    """Clips x to +-clip_sigma * sigma, sigma the root mean square of x."""
+    if self.clip_sigma is None:
+      return x
+    bound = self.clip_sigma * jnp.sqrt(jnp.mean(jnp.square(x)))
+    return jnp.clip(x, -bound, bound)
+
+  def encode(self, x, key):
+    x = self.clip(x)
+    scale = jnp.max(jnp.abs(x))
+    u = jax.random.uniform(key, x.shape, jnp.float32)
+    keep = u * scale < jnp.abs(x)
+    q = jnp.where(keep, jnp.sign(x), 0.0) + 1.0  # {-1, 0, 1} -> {0, 1, 2}
+    return scale, packing.pack(q.astype(jnp.uint8), 2)
+
+  def decode(self, payload, key, n):
+    scale, words = payload
+    return scale * (packing.unpack(words, 2, n).astype(jnp.float32) - 1.0)
+
+
+def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
+             error_feedback: bool = False, seed: int = 0):
+  """TernGrad: stochastic ternary gradients with a per-leaf scale.
+
+  Each leaf is clipped to ``[-c sigma, c sigma]``; with ``s = max|clipped x|``
+  every entry becomes ``s * sign(x) * b``, ``b ~ Bernoulli(|x| / s)``, so the
+  decoded value is unbiased for the clipped ``x`` (clipping itself is the
+  method's only bias). The payload is the float32 scale plus one ternary field
+  per entry packed 2 bits each (4 per byte): ``ceil(n / 4) + 4`` bytes, i.e.
+  2 bits per element plus 32 bits per leaf. Scales are local, so payloads are
+  all-gathered and every worker decodes and averages all of them (TernGrad's
+  optional scale sharing, a max-allreduce of the scales first, is not done).
+  Each worker draws its Bernoulli variables with its own key.
+
+  ``sigma`` is measured around zero (the root mean square of the leaf); the
+  paper's standard deviation is the same for zero-mean gradients, and this
+  choice never clips a single-element or constant leaf to zero.
+
+  Args:
+    clip_sigma: c, the clipping threshold in units of sigma (paper and GRACE:
+      2.5); must be > 0, or None for no clipping.
+    axis_name: the data-parallel axis, or None for a local round trip.
+    error_feedback: off by default (the code is unbiased given the clipping);
+      on, the quantization and clipping error is carried in a residual.
+    seed: seeds the key.
+
+  References:
+    Wen et al., *TernGrad: Ternary Gradients to Reduce Communication in
+    Distributed Deep Learning*, NeurIPS 2017: stochastic ternarization with
+    a per-layer scaler, and gradient clipping at c = 2.5 sigma.
+  """
+  c = None if clip_sigma is None else _args.positive("clip_sigma", clip_sigma)
+  ef = _args.flag("error_feedback", error_feedback)
+  codec = TernGradCodec(c)
+  return build(Method("terngrad", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed)
+
+
+# ----------------------------------------------------------------------------
+# Natural compression
+
+_MANTISSA = 0x7FFFFF
+_NATURAL_BITS = (2, 4, 8)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+  """2**(e - 127) as float32 for integer biased exponents e in [1, 254]."""
+  return lax.bitcast_convert_type(e.astype(jnp.uint32) << 23, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class NaturalCodec(Codec):
+  """Payload: the top biased exponent (uint8) and one sign + exponent field per entry.
+
+  A field of ``bits`` bits holds the sign in its high bit and a code ``c`` in
+  ``[0, 2**(bits - 1) - 1]``: ``c = 0`` is zero, ``c >= 1`` is
+  ``2**(top - c + 1 - 127)``.
+  """
+
+  bits: int
+
+  @property
+  def levels(self) -> int:
+    return 2 ** (self.bits - 1) - 1
+
+  def encode(self, x, key):
+    k_up, k_low = jax.random.split(key)
+    b = lax.bitcast_convert_type(x, jnp.uint32)
+    sign = b >> 31
+    e = ((b >> 23) & 0xFF).astype(jnp.int32)
+    m = b & _MANTISSA
+    finite = e < 255
+    # |x| = 2**(e-127) * (1 + m / 2**23) rounds up to 2**(e-126) with probability m / 2**23.
+    up = m > (jax.random.bits(k_up, x.shape, jnp.uint32) >> 9)
+    e1 = jnp.where(e == 0, 0, jnp.where(finite, e + up.astype(jnp.int32), 255))
+    top = jnp.max(e1)
+    low = jnp.maximum(top - self.levels + 1, 1)
+    # Below the lowest level: 0 or 2**(low-127), up with probability |x| / 2**(low-127).
+    d = e - low
+    frac = (1.0 + m.astype(jnp.float32) * 2.0 ** -23) * _pow2(jnp.clip(d, -126, 0) + 127)
+    p = jnp.where(d >= -126, frac, 0.0)
+    under_up = jax.random.uniform(k_low, x.shape, jnp.float32) < p
+    e2 = jnp.where(e >= low, e1, jnp.where((e >= 1) & under_up, low, 0))
+    code = jnp.where(e2 == 0, 0, top + 1 - e2)
+    field = jnp.where(code > 0, code.astype(jnp.uint32) | (sign << (self.bits - 1)), 0)
+    return top.astype(jnp.uint8), packing.pack(field.astype(jnp.uint8), self.bits)
+
+  def decode(self, payload, key, n):
+    top, words = payload
+    f = packing.unpack(words, self.bits, n).astype(jnp.uint32)
+    code = (f & self.levels).astype(jnp.int32)
+    sign = f >> (self.bits - 1)
+    e = top.astype(jnp.int32) + 1 - code
+    valid = (code > 0) & (e >= 1)
+    word = (sign << 31) | (jnp.clip(e, 0, 255).astype(jnp.uint32) << 23)
+    return jnp.where(valid, lax.bitcast_convert_type(word, jnp.float32), 0.0)
+
+
+def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0):
+  """Natural compression: unbiased stochastic rounding to powers of two.
+
+  ``|x|`` in ``[2**k, 2**(k+1))`` becomes ``2**k`` or ``2**(k+1)``, up with
+  probability ``|x| / 2**k - 1``, so ``E[C(x)] = x`` and
+  ``E[(C(x) - x)**2] <= x**2 / 8`` (the paper's Theorem). The rounding is done
+  on the float32 bits: round up when the 23-bit mantissa exceeds 23 random bits.
+
+  Wire format: per leaf one uint8 ``top``, the largest rounded biased exponent,
+  then one field per entry of ``bits`` bits (sign + exponent code), packed.
+  With the default 8 bits the code has 127 levels, ``2**(top-127)`` down to
+  ``2**(top-253)``: 8 bits per element plus 8 bits per leaf. The exponent is
+  stored relative to ``top`` rather than clipped to a fixed range as GRACE
+  does, so no value is clipped at the top; a value below the lowest level
+  (more than 126 binary orders below the largest: in practice never with
+  8 bits) is rounded without bias to 0 or to the lowest level. ``bits=4``
+  (7 levels) and ``bits=2`` (1 level: ``0`` or ``+-2**top``) trade variance
+  for width, like the paper's natural dithering with a power-of-two norm;
+  they stay unbiased.
+  Zero is sent as zero. Denormals (which XLA CPU flushes) are sent as zero;
+  Inf and NaN decode to +-Inf, and a finite ``|x| >= 2**127`` may round up to Inf.
+
+  Payloads are all-gathered (exponent codes do not add); each worker decodes
+  and averages them. Each worker draws its rounding with its own key.
+
+  Args:
+    bits: field width, 8 (default, the paper's sign + exponent byte), 4 or 2.
+    axis_name: the data-parallel axis, or None for a local round trip.
+    error_feedback: off by default (the code is unbiased).
+    seed: seeds the key.
+
+  References:
+    Horvath, Ho, Horvath, Sahu, Canini, Richtarik, *Natural Compression for
+    Distributed Deep Learning*, 2019 (arXiv:1905.10988): the natural
+    compression operator C_nat (variance factor 1/8) and natural dithering.
+  """
+  if isinstance(bits, bool) or bits not in _NATURAL_BITS:
+    raise ValueError(f"bits must be one of {_NATURAL_BITS}, got bits={bits!r}")
+  ef = _args.flag("error_feedback", error_feedback)
+  codec = NaturalCodec(int(bits))
+  return build(Method("natural", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed)
+
+
+# ----------------------------------------------------------------------------
+# Dettmers' 8-bit code
+
+
+def dettmers_table() -> np.ndarray:
+  """The 128 magnitudes of the 8-bit code, increasing, in [0, 1] (float32).
+
+  126 of them are GRACE's table: per decade ``[10**-k, 10**(1-k))``,
+  k = 1..6, ``2**(6-k)`` linear bins in each of ``[10**-k, 4.5 * 10**-k)``
+  and ``[4.5 * 10**-k, 10**(1-k))``, represented by their midpoints (64 values
+  in the top decade, 2 in the lowest). The two ends are 0 and 1, so that zeros
+  and the largest entry (the scale) round-trip exactly; GRACE has 1.5e-6 and
+  0.9957 there.
+  """
+  mids = []
+  for k in range(6, 0, -1):
+    lo, split, hi = 10.0 ** -k, 4.5 * 10.0 ** -k, 10.0 ** (1 - k)
+    bins = 2 ** (6 - k)
+    for a, b in ((lo, split), (split, hi)):
+      width = (b - a) / bins
+      mids.extend(a + (i + 0.5) * width for i in range(bins))
+  return np.asarray([0.0] + mids + [1.0], np.float32)
+
+
+_TABLE = dettmers_table()
+_BOUNDS = ((_TABLE[:-1].astype(np.float64) + _TABLE[1:]) / 2).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class U8bitCodec(Codec):
+  """Payload: the float32 max |x| and one byte per entry: sign bit + 7-bit table index."""
+
+  def encode(self, x, key):
+    scale = jnp.max(jnp.abs(x))
+    r = jnp.abs(x) / jnp.where(scale > 0, scale, 1.0)
+    idx = jnp.searchsorted(jnp.asarray(_BOUNDS), r, side="left").astype(jnp.uint8)
+    code = jnp.where((x < 0) & (idx > 0), idx | jnp.uint8(0x80), idx)
+    return scale, code
+
+  def decode(self, payload, key, n):
+    scale, code = payload
+    mag = jnp.asarray(_TABLE)[(code & 0x7F).astype(jnp.int32)] * scale
+    return jnp.where(code >= 0x80, -mag, mag)
+
+
+def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0):
+  """Dettmers' 8-bit approximation: a 128-entry table per sign plus the max.
+
+  Each leaf is scaled by its largest magnitude ``s = max|x|``; ``|x| / s`` is
+  rounded to the nearest of 128 table values (:func:`dettmers_table`: 0,
+  126 bin midpoints of a base-10 dynamic tree spanning 1e-6 to 1, and 1) and
+  sent as one byte, sign bit + 7-bit index. Decoding is ``sign * table[i] * s``.
+  Rounding to the nearest entry bounds the relative error by 5% for
+  ``|x| >= 0.1 s``, 9% in the next decade, 15%, 25%, then 45% down to
+  ``1e-6 s``; values below ``1.375e-6 s`` become 0. The code is
+  deterministic and biased (mostly on tiny entries), so there is no error
+  feedback by default.
+
+  Payload: float32 scale + n bytes (8 bits per element plus 32 per leaf),
+  all-gathered (the scales are local); each worker decodes and averages.
+
+  Args:
+    axis_name: the data-parallel axis, or None for a local round trip.
+    error_feedback: off by default (as in GRACE); on, the rounding error is
+      carried in a residual.
+    seed: seeds the state's key (the code itself uses no randomness).
+
+  References:
+    Dettmers, *8-Bit Approximations for Parallelism in Deep Learning*, ICLR
+    2016 (arXiv:1511.04561): the dynamic tree data type; the table is
+    GRACE's (Xu et al., ICDCS 2021, ``u8bit`` compressor).
+  """
+  ef = _args.flag("error_feedback", error_feedback)
+  return build(Method("u8bit", flat_route(CodecExchange(U8bitCodec())), Memory(enabled=ef)), axis_name, seed)

@@ -1,9 +1,8 @@
-"""Sign methods: signSGD with majority vote, and EF-signSGD (scaled signs, memory)."""
+"""Sign methods: signSGD and Signum (majority vote), EF-signSGD, 1-bit SGD (scaled signs, memory)."""
 
 from __future__ import annotations
 
-import dataclasses
-
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -83,3 +82,94 @@ def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0):
   g = _args.positive("lr", lr)
   return build(Method("efsignsgd", flat_route(CodecExchange(ScaledSignCodec())), Memory(gamma=g)),
                axis_name, seed)
+
+
+class MomentumMemory(Memory):
+  """Signum's memory: ``m <- beta * m + (1 - beta) * g`` is sent (as signs) and kept.
+
+  Not a residual: what was sent does not change m. A non-finite entry of m is
+  reset to 0.
+  """
+
+  def __init__(self, beta: float):
+    super().__init__()
+    self.momentum = beta
+
+  def compensate(self, grads, state):
+    b = self.momentum
+    return jax.tree.map(lambda g, m: b * m.astype(jnp.float32) + (1.0 - b) * g.astype(jnp.float32),
+                        grads, state)
+
+  def update(self, x, sent, state):
+    return jax.tree.map(lambda x, m: jnp.where(jnp.isfinite(x), x, 0.0).astype(m.dtype), x, state)
+
+
+def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0):
+  """Signum: signSGD with local momentum, 1 bit per entry, majority vote.
+
+  Each worker keeps ``m <- momentum * m + (1 - momentum) * g`` and sends the
+  packed signs of m (``m >= 0`` counts as +1); the output is the majority vote
+  ``sign(sum of the workers' +-1)``, in {-1, 0, +1} (0 on a tie). There is no
+  error feedback; the learning rate of the next transform sets the step size
+  (use it without momentum).
+
+  Args:
+    momentum: beta in [0, 1) (Signum and GRACE: 0.9); 0 is signSGD.
+    axis_name: the data-parallel axis, or None.
+    seed: seeds the state's key (unused).
+
+  References:
+    Bernstein, Wang, Azizzadenesheli & Anandkumar, *signSGD: Compressed
+    Optimisation for Non-Convex Problems*, ICML 2018, Algorithm 3 (Signum);
+    Bernstein et al., *signSGD with Majority Vote is Communication Efficient
+    and Fault Tolerant*, ICLR 2019.
+  """
+  b = _args.unit_interval("momentum", momentum)
+  return build(Method("signum", flat_route(CodecExchange(SignCodec())), MomentumMemory(b)), axis_name, seed)
+
+
+class OneBitCodec(Codec):
+  """Packed signs plus two float32: the mean of the negatives and of the non-negatives."""
+
+  def encode(self, x, key):
+    neg = x < 0
+    n_neg = jnp.sum(neg)
+    n_pos = x.shape[0] - n_neg
+    means = jnp.stack([
+        jnp.sum(jnp.where(neg, x, 0.0)) / jnp.maximum(n_neg, 1),
+        jnp.sum(jnp.where(neg, 0.0, x)) / jnp.maximum(n_pos, 1)])
+    return means, packing.pack_signs(x)
+
+  def decode(self, payload, key, n):
+    means, words = payload
+    return jnp.where(packing.unpack(words, 1, n) == 1, means[1], means[0])
+
+  def aggregate(self, gathered, key, n, num):
+    def body(w, acc):
+      return acc + self.decode((gathered[0][w], gathered[1][w]), key, n)
+
+    return lax.fori_loop(0, gathered[1].shape[0], body, jnp.zeros((n,), jnp.float32)) / num
+
+
+def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0):
+  """1-bit SGD: one sign bit per entry and two reconstruction values, with error feedback.
+
+  Each leaf is quantized to 1 bit per entry (``x >= 0`` or not), packed 8 per
+  byte, and the two values that reconstruct it: the mean of its negative
+  entries and the mean of its non-negative entries (float32 each; one pair
+  per leaf, as in GRACE). The quantization error is carried to the next step
+  (error feedback, on by default: 1-bit SGD depends on it). Payloads are
+  all-gathered, decoded and averaged.
+
+  Args:
+    axis_name: the data-parallel axis, or None.
+    error_feedback: carry the quantization error (default True).
+    seed: seeds the state's key (unused).
+
+  References:
+    Seide, Fu, Droppo, Li & Yu, *1-Bit Stochastic Gradient Descent and its
+    Application to Data-Parallel Distributed Training of Speech DNNs*,
+    Interspeech 2014, Sec. 2.
+  """
+  ef = _args.flag("error_feedback", error_feedback)
+  return build(Method("onebit", flat_route(CodecExchange(OneBitCodec())), Memory(enabled=ef)), axis_name, seed)

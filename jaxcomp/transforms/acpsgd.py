@@ -1,0 +1,319 @@
+"""ACP-SGD: alternate compressed PowerSGD, one fused all-reduce per step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcomp.collectives import ops
+from jaxcomp.collectives.axis import AxisName
+from jaxcomp.core import DENSE, Ctx, Exchange, FusedExchange, Memory, Method, build
+from jaxcomp.transforms import _args
+from jaxcomp.transforms.lowrank import matrix_view, orthogonalize
+
+
+@dataclasses.dataclass(frozen=True)
+class ACPFactors(Exchange):
+  """A group of same-view matrices compressed by ACP-SGD; its state is ``(P, Q)``.
+
+  ``P`` is ``(G, a, r)``, ``Q`` is ``(G, b, r)``: the last all-reduced value of
+  each factor, drawn from the seed at ``init`` (identical on every worker).
+  On its own it runs one :class:`ACPFusion` over this group; inside
+  :func:`acpsgd` all groups share the fusion's buffers.
+  """
+
+  rank: int
+  eps: float = 1e-8
+  carries_nonfinite = True  # a NaN/Inf in X reaches the psum-ed factor and the mean
+
+  def init(self, view, group, key):
+    a, b = view
+    r = min(self.rank, a, b)
+    kp, kq = jax.random.split(key)
+    return (jax.random.normal(kp, (group, a, r), jnp.float32),
+            jax.random.normal(kq, (group, b, r), jnp.float32))
+
+  def _alone(self, view, group):
+    return ACPFusion(), [(self, tuple(view), list(range(group)))]
+
+  def __call__(self, X, extra, ctx: Ctx):
+    fusion, groups = self._alone(X.shape[1:], X.shape[0])
+    return fusion(groups, [X], (extra,), ctx)[0]
+
+  def wire_bytes(self, view, group):
+    fusion, groups = self._alone(view, group)
+    return fusion.wire_bytes(groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+  """One leaf in the fused buffer: group ``g``, position ``j`` in it, its sizes."""
+
+  leaf: int
+  g: int
+  j: int
+  dense: bool
+  p: int  # a * r: the P factor (dense: n)
+  q: int  # b * r: the Q factor (dense: n)
+  phase: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+  dense: tuple[_Item, ...]
+  lowrank: tuple[_Item, ...]
+  length: int  # float32 entries, the same at both parities
+
+  def offsets(self, parity: int):
+    """(item, start, size) for every item at ``parity``: dense first, then the factors."""
+    out, at = [], 0
+    for it in self.dense:
+      out.append((it, at, it.p))
+      at += it.p
+    for it in self.lowrank:
+      size = it.p if (parity + it.phase) % 2 == 0 else it.q
+      out.append((it, at, size))
+      at += size
+    return out
+
+
+def _rows(role, g, size):
+  """Positions in group ``g`` sending P (role 0) and sending Q (role 1)."""
+  rows = [np.array([j for j in range(size) if role[g, j] == f], np.int32) for f in (0, 1)]
+  return rows[0], rows[1]
+
+
+def _take(a, rows):
+  return a if rows.size == a.shape[0] else a[rows]
+
+
+def _put(a, rows, values):
+  return values if rows.size == a.shape[0] else a.at[rows].set(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ACPFusion(FusedExchange):
+  """Packs every group's active factor (and the dense leaves) into one psum per bucket.
+
+  At step t a matrix of phase f sends ``P = (M + E) orth(Q)`` when
+  ``(t + f)`` is even and ``Q = (M + E)^T orth(P)`` when odd. Buckets are
+  filled in leaf order up to ``bucket_bytes`` (one bucket when None); inside
+  a bucket, phases are chosen so that the factors sent at even and at odd
+  steps have nearly the same total size (the buffer has one static length).
+  """
+
+  bucket_bytes: int | None = None
+  balance: bool = True
+  carries_nonfinite = True
+
+  def layout(self, groups) -> list[_Bucket]:
+    items = []
+    for g, (ex, view, idx) in enumerate(groups):
+      for j, leaf in enumerate(idx):
+        if isinstance(ex, ACPFactors):
+          a, b = view
+          r = min(ex.rank, a, b)
+          items.append(_Item(leaf, g, j, False, a * r, b * r))
+        elif ex == DENSE:
+          n = int(np.prod(view, dtype=np.int64))
+          items.append(_Item(leaf, g, j, True, n, n))
+        else:
+          raise TypeError(f"ACPFusion fuses ACPFactors and DENSE groups only, got {ex!r}")
+    items.sort(key=lambda it: it.leaf)
+    chunks, current, size = [], [], 0
+    for it in items:
+      nbytes = 4 * (it.p if it.dense else (it.p + it.q) / 2)
+      if current and self.bucket_bytes is not None and size + nbytes > self.bucket_bytes:
+        chunks.append(current)
+        current, size = [], 0
+      current.append(it)
+      size += nbytes
+    if current:
+      chunks.append(current)
+    return [self._bucket(chunk) for chunk in chunks]
+
+  def _bucket(self, items) -> _Bucket:
+    dense = tuple(it for it in items if it.dense)
+    lowrank = [it for it in items if not it.dense]
+    phase = {}
+    even = odd = 0
+    order = sorted(lowrank, key=lambda it: -abs(it.p - it.q)) if self.balance else lowrank
+    for it in order:
+      f = 1 if self.balance and max(even + it.q, odd + it.p) < max(even + it.p, odd + it.q) else 0
+      phase[it.leaf] = f
+      even += it.q if f else it.p
+      odd += it.p if f else it.q
+    lowrank = tuple(dataclasses.replace(it, phase=phase[it.leaf]) for it in lowrank)
+    return _Bucket(dense, lowrank, sum(it.p for it in dense) + max(even, odd))
+
+  def wire_bytes(self, groups) -> int:
+    return 4 * sum(b.length for b in self.layout(groups))
+
+  @staticmethod
+  def _roles(parity, buckets):
+    """``(group, position) -> 0`` for the matrices sending P at ``parity``, 1 for Q."""
+    return {(it.g, it.j): (parity + it.phase) % 2 for b in buckets for it in b.lowrank}
+
+  def _send(self, parity, groups, xs, extras, buckets, num):
+    """Local factors at ``parity``: (locals, fixed factors, one buffer per bucket)."""
+    role = self._roles(parity, buckets)
+    locals_, fixed, sent = [], [], {}
+    for g, ((ex, _, idx), X, state) in enumerate(zip(groups, xs, extras)):
+      if not isinstance(ex, ACPFactors):
+        locals_.append(X)
+        fixed.append(())
+        flat = X.reshape(len(idx), -1) / num
+        for j in range(len(idx)):
+          sent[g, j] = flat[j]
+        continue
+      P, Q = state
+      local = X
+      p_rows, q_rows = _rows(role, g, len(idx))
+      if p_rows.size:
+        Qo = orthogonalize(_take(Q, p_rows), ex.eps)
+        Pl = jnp.einsum("gab,gbr->gar", _take(X, p_rows), Qo)
+        local = _put(local, p_rows, jnp.einsum("gar,gbr->gab", Pl, Qo))
+        Q = _put(Q, p_rows, Qo)
+        for i, j in enumerate(p_rows):
+          sent[g, int(j)] = Pl[i].reshape(-1) / num
+      if q_rows.size:
+        Po = orthogonalize(_take(P, q_rows), ex.eps)
+        Ql = jnp.einsum("gab,gar->gbr", _take(X, q_rows), Po)
+        local = _put(local, q_rows, jnp.einsum("gar,gbr->gab", Po, Ql))
+        P = _put(P, q_rows, Po)
+        for i, j in enumerate(q_rows):
+          sent[g, int(j)] = Ql[i].reshape(-1) / num
+      locals_.append(local)
+      fixed.append((P, Q))
+    buffers = []
+    for b in buckets:
+      parts = [sent[it.g, it.j] for it, _, _ in b.offsets(parity)]
+      used = sum(int(p.shape[0]) for p in parts)
+      parts.append(jnp.zeros((b.length - used,), jnp.float32))
+      buffers.append(jnp.concatenate(parts))
+    return locals_, fixed, buffers
+
+  def _receive(self, parity, groups, xs, extras, fixed, buffers, buckets):
+    """Means and new states from the summed buffers at ``parity``."""
+    role = self._roles(parity, buckets)
+    got = {}
+    for b, buf in zip(buckets, buffers):
+      for it, start, size in b.offsets(parity):
+        got[it.g, it.j] = buf[start:start + size]
+    means, states = [], []
+    for g, ((ex, view, idx), X, old, fix) in enumerate(zip(groups, xs, extras, fixed, strict=True)):
+      if not isinstance(ex, ACPFactors):
+        means.append(jnp.stack([got[g, j].reshape(view) for j in range(len(idx))]))
+        states.append(old)
+        continue
+      a, b = view
+      P, Q = fix
+      mean = X
+      p_rows, q_rows = _rows(role, g, len(idx))
+      if p_rows.size:
+        Pm = jnp.stack([got[g, int(j)].reshape(a, -1) for j in p_rows])
+        mean = _put(mean, p_rows, jnp.einsum("gar,gbr->gab", Pm, _take(Q, p_rows)))
+        P = P.at[p_rows].set(Pm)  # not a plain Pm: P keeps the state's (varying) type
+      if q_rows.size:
+        Qm = jnp.stack([got[g, int(j)].reshape(b, -1) for j in q_rows])
+        mean = _put(mean, q_rows, jnp.einsum("gar,gbr->gab", _take(P, q_rows), Qm))
+        Q = Q.at[q_rows].set(Qm)
+      means.append(mean)
+      states.append((P, Q))  # a non-finite factor means a non-finite mean: build() restores them
+    return means, states
+
+  def __call__(self, groups, xs, extras, ctx: Ctx):
+    buckets = self.layout(groups)
+    num = ctx.axis.size
+    even = ctx.count % 2 == 0
+
+    def send(parity):
+      return lambda: self._send(parity, groups, xs, extras, buckets, num)
+
+    locals_, fixed, buffers = lax.cond(even, send(0), send(1))
+    buffers = ops.allreduce_sum(buffers, ctx.axis)
+
+    def receive(parity):
+      return lambda: self._receive(parity, groups, xs, extras, fixed, buffers, buckets)
+
+    means, states = lax.cond(even, receive(0), receive(1))
+    return list(zip(means, locals_, states))
+
+
+def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None = None,
+           min_compression_rate: float = 2.0, seed: int = 0, balance_phases: bool = True):
+  """ACP-SGD: PowerSGD's two factors sent on alternate steps, all layers in one all-reduce.
+
+  Each leaf of rank >= 2 is viewed as a matrix M (``lowrank.matrix_view``:
+  ``(prod(shape[:-1]), shape[-1])``) with r = min(rank, rows, cols), and is
+  compressed when ``(rows + cols) * r * min_compression_rate < rows * cols``
+  (PowerSGD's rule); other leaves travel uncompressed. With the residual E:
+
+  - P-steps: ``Q <- orthogonalize(Q)`` (Q is the last all-reduced Q, the same
+    on every worker: no communication), ``P = (M + E) Q``,
+    ``E <- (M + E) - P Q^T`` with the local P, all-reduce-mean P, output
+    ``P Q^T``; P is kept.
+  - Q-steps mirror it: ``P <- orthogonalize(P)``, ``Q = (M + E)^T P``,
+    ``E <- (M + E) - P Q^T``, all-reduce-mean Q, output ``P Q^T``; Q is kept.
+
+  The power iteration is thus spread over steps (a warm start by
+  construction) and each step moves one factor per matrix. The factors of all
+  matrices and the uncompressed leaves are packed into one float32 buffer and
+  all-reduced by a single psum per step, or one per bucket of about
+  ``bucket_bytes`` (tensor fusion, in leaf order). Which step is a P-step
+  comes from the state's step count, so a restored checkpoint continues the
+  alternation. A static buffer must fit both kinds of step: with
+  ``balance_phases`` (default) some matrices start with a Q-step (the
+  algorithm per matrix is unchanged, shifted by one step), chosen so that
+  P-steps and Q-steps send nearly the same number of values; the buffer is
+  then about half of PowerSGD's two all-reduces. Without it every matrix
+  alternates together as in the paper, and the buffer holds
+  ``max(sum of P sizes, sum of Q sizes)``. Initial P and Q come from ``seed``,
+  identical on every worker.
+
+  Args:
+    rank: r >= 1 (the paper uses PowerSGD's ranks; 4 here).
+    axis_name: the data-parallel axis, or None.
+    bucket_bytes: fuse into buckets of about this many bytes (> 0, leaf
+      granularity), one all-reduce each; None (default): one buffer.
+    min_compression_rate: >= 1; compress a matrix only when PowerSGD's two
+      factors are this many times smaller than it (default 2).
+    seed: seeds the initial factors.
+    balance_phases: give matrices phases that equalize the two kinds of step.
+
+  References:
+    Zhang, Zhang, Shi, Chu & Li, *Evaluation and Optimization of Gradient
+    Compression for Distributed Deep Learning*, ICDCS 2023, arXiv:2306.08881
+    (ACP-SGD); Vogels, Karimireddy & Jaggi, *PowerSGD*, NeurIPS 2019.
+  """
+  r = _args.integer("rank", rank, 1)
+  rate = _args.positive("min_compression_rate", min_compression_rate)
+  if rate < 1:
+    raise ValueError(f"min_compression_rate must be >= 1, got min_compression_rate={min_compression_rate!r}")
+  if bucket_bytes is not None:
+    bucket_bytes = _args.integer("bucket_bytes", bucket_bytes, 1)
+  balance = _args.flag("balance_phases", balance_phases)
+  lowrank = ACPFactors(r)
+
+  def route(shape):
+    n = int(np.prod(shape, dtype=np.int64))
+    if len(shape) >= 2:
+      a, b = matrix_view(shape)
+      if (a + b) * min(r, a, b) * rate < a * b:
+        return lowrank, (a, b)
+    return DENSE, (n,)
+
+  method = Method("acpsgd", route, Memory(), fused=ACPFusion(bucket_bytes, balance))
+  return build(method, axis_name, seed)
+
+
+def phases(tx, params) -> Sequence[tuple[int, int]]:
+  """``(leaf index, phase)`` of every compressed leaf of ``params`` (0: P at even steps)."""
+  method = tx.method
+  groups = method.plan(jax.tree.leaves(params))
+  return sorted((it.leaf, it.phase) for b in method.fused.layout(groups) for it in b.lowrank)

@@ -1,0 +1,541 @@
+"""TernGrad, natural compression, Dettmers' 8-bit, SketchML and INCEPTIONN.
+
+What is specific to each method: numpy versions of the deterministic codecs,
+unbiasedness of the stochastic ones (with a tolerance derived from a variance
+bound), the payload size at the defaults, argument checks, and pmap ==
+shard_map with measured == nominal wire bytes for non-default settings (the
+defaults are covered for every registered method by test_properties.py).
+"""
+
+import functools
+import math
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import jaxcomp
+from jaxcomp.collectives import packing
+from jaxcomp.transforms.codes import InceptionnCodec, SketchCodec, lsb_exponent, sample_positions
+from jaxcomp.transforms.quantize import NaturalCodec, TernGradCodec, U8bitCodec, dettmers_table
+from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, pmap_wire_bytes,
+                     run_pmap, run_shard_map, worker_grads)
+
+KEY = jax.random.PRNGKey(42)
+
+
+@functools.cache
+def _codec_fn(codec, n):
+  """Jitted ``(x, key) -> (payload, decode(payload))`` for one codec and length."""
+  def f(x, key):
+    payload = codec.encode(x, key)
+    return payload, codec.decode(payload, key, n)
+  return jax.jit(f)
+
+
+def _round_trip(codec, x, key=KEY):
+  x = jnp.asarray(x, jnp.float32)
+  payload, dec = _codec_fn(codec, x.shape[0])(x, key)
+  return jax.tree.map(np.asarray, payload), np.asarray(dec)
+
+
+@functools.cache
+def _trials_fn(codec, n, trials):
+  def f(x, key):
+    keys = jax.random.split(key, trials)
+    return jax.vmap(lambda k: codec.decode(codec.encode(x, k), k, n))(keys)
+  return jax.jit(f)
+
+
+def _wide_values(n, seed=0, octaves=12.0):
+  """Signed values spread over ~2*octaves binary orders, max |x| exactly 1, a few exact zeros."""
+  rng = np.random.default_rng(seed)
+  x = np.sign(rng.standard_normal(n)) * np.exp2(-rng.uniform(0, octaves, n))
+  x[:3] = 0.0
+  x[3] = 1.0
+  x[4] = -0.75
+  return x.astype(np.float32)
+
+
+def _bernstein_tol(var, bound, trials, delta=1e-9):
+  """|mean of `trials` iid draws - expectation| stays below this with probability >= 1 - delta.
+
+  Bernstein's inequality for iid terms with variance <= ``var`` and
+  ``|draw - expectation| <= bound``: solve ``trials t^2 = c (2 var + 2 bound t / 3)``
+  with ``c = ln(2 / delta)``. Unlike a Gaussian 5-sigma rule this holds for the
+  skewed Bernoulli draws of values that round up with a tiny probability.
+  """
+  c = math.log(2.0 / delta)
+  b = 2.0 * c * bound / 3.0
+  return (b + np.sqrt(b * b + 8.0 * trials * c * var)) / (2.0 * trials)
+
+
+def _assert_unbiased(draws, expected, var, bound):
+  """Elementwise Bernstein bound, plus the sum over elements (CLT, |z| < 6)."""
+  draws = np.asarray(draws, np.float64)
+  trials = draws.shape[0]
+  mean = draws.mean(axis=0)
+  tol = _bernstein_tol(var, bound, trials) + 1e-6 * np.abs(expected)
+  bad = np.abs(mean - expected) > tol
+  assert not bad.any(), (np.flatnonzero(bad), mean[bad], expected[bad], tol[bad])
+  z = (mean - expected).sum() / math.sqrt(max(var.sum() / trials, 1e-300))
+  assert abs(z) < 6.0, z
+
+
+# ----------------------------------------------------------------------------
+# Payload size at the defaults (bits per element + per-leaf constant)
+
+
+@pytest.mark.parametrize("name,factory,expected", [
+    ("terngrad", lambda: jaxcomp.terngrad(), 4096 // 4 + 4),       # 2 bits + f32 scale
+    ("natural", lambda: jaxcomp.natural(), 4096 + 1),              # 8 bits + u8 top exponent
+    ("u8bit", lambda: jaxcomp.u8bit(), 4096 + 4),                  # 8 bits + f32 scale
+    ("sketchml", lambda: jaxcomp.sketchml(), 4096 + 64 * 4),       # 8 bits + 64 f32 means
+    ("inceptionn", lambda: jaxcomp.inceptionn(), 4096 // 4 + 4096),  # 2-bit tags + 1 B/value stream
+    ("natural4", lambda: jaxcomp.natural(bits=4), 4096 // 2 + 1),
+    ("natural2", lambda: jaxcomp.natural(bits=2), 4096 // 4 + 1),
+    ("sketchml16", lambda: jaxcomp.sketchml(buckets=16), 4096 // 2 + 16 * 4),
+    ("sketchml4", lambda: jaxcomp.sketchml(buckets=4), 4096 // 4 + 4 * 4),
+    ("sketchml2", lambda: jaxcomp.sketchml(buckets=2), 4096 // 8 + 2 * 4),
+    ("inceptionn2", lambda: jaxcomp.inceptionn(capacity=2.0), 4096 // 4 + 8192),
+])
+def test_nominal_payload_bytes(name, factory, expected):
+  assert jaxcomp.wire_bytes(factory(), {"w": jnp.zeros((64, 64))}) == expected
+
+
+def test_small_leaves_pay_for_what_they_hold():
+  # SketchML never sends more means than entries; every method sends something per leaf.
+  params = {"one": jnp.zeros(()), "ten": jnp.zeros((10,))}
+  assert jaxcomp.wire_bytes(jaxcomp.sketchml(), params) == (4 + 1) + (40 + 5)  # 10 buckets: 4 bits
+  assert jaxcomp.wire_bytes(jaxcomp.inceptionn(capacity=0.01), params) == (1 + 1) + (3 + 1)
+
+
+# ----------------------------------------------------------------------------
+# pmap == shard_map and measured == nominal wire bytes, non-default settings
+
+VARIANTS = {
+    "terngrad_noclip_ef": lambda ax: jaxcomp.terngrad(clip_sigma=None, error_feedback=True, axis_name=ax),
+    "natural_4bit": lambda ax: jaxcomp.natural(bits=4, axis_name=ax),
+    "sketchml_sampled": lambda ax: jaxcomp.sketchml(buckets=16, sample_size=128, axis_name=ax),
+    "inceptionn_tight": lambda ax: jaxcomp.inceptionn(error_bound=2 ** -4, capacity=0.25, axis_name=ax),
+}
+
+
+def _small_params():
+  return {"kernel": jnp.zeros((40, 24)), "bias": jnp.zeros((24,))}  # two leaf groups: quick to compile
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variant_pmap_equals_shard_map_and_wire_is_nominal(name):
+  tx = VARIANTS[name](AXIS)
+  params = _small_params()
+  state_p = state_s = init_stacked(tx, params)
+  for step in range(2):
+    grads = worker_grads(params, seed=step)
+    out_p, state_p = run_pmap(tx, grads, state_p)
+    out_s, state_s = run_shard_map(tx, grads, state_s)
+    assert_replicas_equal(out_p)
+    assert_replicas_equal(out_s)
+    assert_trees_close(out_p, out_s, rtol=1e-6, atol=1e-7)
+    assert_trees_close(state_p, state_s, rtol=1e-6, atol=1e-7)
+  measured = pmap_wire_bytes(tx, params)
+  assert measured["total"] == jaxcomp.wire_bytes(tx, params), measured
+
+
+@pytest.mark.parametrize("name", ["u8bit", "sketchml"])
+def test_pmap_mean_is_the_mean_of_numpy_decodes(name):
+  """The communicator: all-gather, decode each worker's payload, average."""
+  tx = jaxcomp.METHODS[name](axis_name=AXIS)
+  params = _small_params()
+  grads = worker_grads(params, seed=1)
+  out, _ = run_pmap(tx, grads, init_stacked(tx, params))
+  def decode(x):
+    return _u8bit_reference(x)[-1] if name == "u8bit" else _sketch_reference(x, 64)[-1]
+
+  for g, o in zip(jax.tree.leaves(grads), jax.tree.leaves(out)):
+    g = np.asarray(g).reshape(N, -1)
+    expected = np.mean([decode(g[w]) for w in range(N)], axis=0)
+    np.testing.assert_allclose(np.asarray(o[0]).reshape(-1), expected, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# TernGrad
+
+
+def _terngrad_clip_reference(x, c=2.5):
+  x = np.asarray(x, np.float64)
+  bound = c * np.sqrt(np.mean(x * x))
+  return np.clip(x, -bound, bound)
+
+
+def test_terngrad_clips_scales_and_ternarizes():
+  x = np.random.default_rng(0).standard_normal(512).astype(np.float32)
+  x[7], x[8] = 40.0, -25.0  # far beyond 2.5 sigma
+  (scale, words), dec = _round_trip(TernGradCodec(2.5), x)
+  clipped = _terngrad_clip_reference(x)
+  np.testing.assert_allclose(scale, np.abs(clipped).max(), rtol=1e-6)
+  assert words.dtype == np.uint8 and words.shape == (128,)
+  q = np.asarray(packing.unpack(jnp.asarray(words), 2, 512)).astype(np.int64) - 1
+  assert set(np.unique(q)) <= {-1, 0, 1}
+  np.testing.assert_array_equal(dec, (q * scale).astype(np.float32))
+  assert np.all((q == 0) | (q == np.sign(x)))
+  assert dec[7] in (0.0, scale) and dec[8] in (0.0, -scale)
+
+
+def test_terngrad_without_clipping_keeps_the_max():
+  x = np.array([3.0, -1.0, 0.0, 0.5], np.float32)
+  (scale, _), dec = _round_trip(TernGradCodec(None), x)
+  assert scale == 3.0 and dec[0] == 3.0 and dec[2] == 0.0
+  # A single entry is never clipped to zero (sigma is the root mean square).
+  (_, _), dec = _round_trip(TernGradCodec(2.5), np.array([0.3], np.float32))
+  np.testing.assert_array_equal(dec, [np.float32(0.3)])
+
+
+def test_terngrad_is_unbiased_given_the_clipping():
+  """Decoded value: s*sign(x) w.p. |x|/s, else 0: variance |x|(s-|x|), deviation <= s."""
+  x = np.random.default_rng(1).standard_normal(256).astype(np.float32)
+  x[0] = 9.0
+  trials = 4000
+  draws = _trials_fn(TernGradCodec(2.5), 256, trials)(jnp.asarray(x), KEY)
+  clipped = _terngrad_clip_reference(x)
+  s = np.abs(clipped).max()
+  a = np.abs(clipped)
+  _assert_unbiased(draws, clipped, a * (s - a), np.full_like(a, s))
+
+
+def test_terngrad_transform_is_unbiased_over_steps():
+  """Through the whole transform: a fresh key every step, so the mean over steps is x."""
+  tx = jaxcomp.terngrad(clip_sigma=None, axis_name=None)
+  g = {"w": jnp.asarray(np.random.default_rng(2).uniform(-1, 1, 64), jnp.float32)}
+  steps = 3000
+
+  def body(state, _):
+    out, state = tx.update(g, state)
+    return state, out["w"]
+
+  _, outs = jax.jit(lambda s: jax.lax.scan(body, s, None, length=steps))(tx.init(g))
+  x = np.asarray(g["w"], np.float64)
+  s, a = np.abs(x).max(), np.abs(x)
+  _assert_unbiased(outs, x, a * (s - a), np.full_like(a, s))
+
+
+# ----------------------------------------------------------------------------
+# Natural compression
+
+
+def _natural_levels(bits):
+  return 2 ** (bits - 1) - 1
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_natural_is_unbiased(bits):
+  """In range, |x| in [l, 2l) becomes l or 2l: variance (a-l)(2l-a) <= a^2/8, deviation <= l <= a.
+
+  Below the lowest level L (bits 4 and 2), |x| becomes 0 or L: variance a(L-a), deviation <= L.
+  ``max|x| = 1`` exactly, so the top exponent is that of 1 and L = 2**(1 - levels).
+  """
+  x = _wide_values(256, seed=bits)
+  trials = 4000
+  draws = np.asarray(_trials_fn(NaturalCodec(bits), 256, trials)(jnp.asarray(x), KEY))
+  a = np.abs(x).astype(np.float64)
+  low = 2.0 ** (1 - _natural_levels(bits))
+  var = np.where(a >= low, a * a / 8, a * (low - a))
+  _assert_unbiased(draws, x.astype(np.float64), var, np.where(a >= low, a, low))
+  # Support: 0 or a signed power of two bracketing |x| (or the lowest level below it).
+  for d in draws[:50]:
+    nz = d != 0
+    assert np.all(np.sign(d[nz]) == np.sign(x[nz]))
+    m, _ = np.frexp(np.abs(d[nz]))
+    assert np.all(m == 0.5)
+    lo = np.exp2(np.floor(np.log2(a[nz])))
+    assert np.all((np.abs(d[nz]) == lo) | (np.abs(d[nz]) == 2 * lo) | (np.abs(d[nz]) == low))
+
+
+def test_natural_round_trips_zero_and_powers_of_two():
+  x = np.array([0.0, -0.0, 1.0, -0.5, 2.0 ** -40, 2.0 ** 20, -(2.0 ** 64), 0.0], np.float32)
+  (top, words), dec = _round_trip(NaturalCodec(8), x)
+  assert top.dtype == np.uint8 and top == 127 + 64
+  assert words.shape == (8,) and words.dtype == np.uint8
+  np.testing.assert_array_equal(dec, x)
+  assert words[0] == 0 and words[7] == 0  # zero is the all-zero field
+
+
+def test_natural_all_zero_leaf():
+  (top, words), dec = _round_trip(NaturalCodec(8), np.zeros(16, np.float32))
+  assert top == 0 and not words.any() and not dec.any()
+
+
+@given(hnp.arrays(np.float32, 64, elements=st.floats(2.0 ** -60, 2.0 ** 60, width=32)),
+       hnp.arrays(np.bool_, 64), st.integers(0, 2 ** 31 - 1))
+def test_natural_rounds_to_a_neighbouring_power_of_two(mag, neg, seed):
+  """Within 120 octaves of the max (all levels in range at 8 bits): the two bracketing powers."""
+  x = np.where(neg, -mag, mag).astype(np.float32)
+  _, dec = _round_trip(NaturalCodec(8), x, jax.random.PRNGKey(seed))
+  lo = np.exp2(np.floor(np.log2(np.abs(x).astype(np.float64))))
+  assert np.all(np.sign(dec) == np.sign(x))
+  assert np.all((np.abs(dec) == lo) | (np.abs(dec) == 2 * lo))
+
+
+# ----------------------------------------------------------------------------
+# Dettmers' 8-bit code
+
+
+def test_dettmers_table():
+  t = dettmers_table().astype(np.float64)
+  assert t.shape == (128,) and t[0] == 0.0 and t[-1] == 1.0 and np.all(np.diff(t) > 0)
+  # Per decade 10^-k: 2 * 2^(6-k) bin midpoints (64 in [0.1, 1), 2 in [1e-6, 1e-5)).
+  for k in range(1, 7):
+    inside = (t >= 10.0 ** -k) & (t < 10.0 ** (1 - k))
+    assert inside[1:-1].sum() == 2 ** (7 - k), k
+  # Entries of GRACE's table, derived from the rule: midpoints of the halves
+  # [10^-k, 4.5*10^-k) and [4.5*10^-k, 10^(1-k)).
+  for v in (2.75e-6, 7.25e-6, 1.875e-5, 1.4375e-4, 1.21875e-3, 4.84375e-3, 1.109375e-2,
+            0.10546875, 0.45859375, 0.99140625):
+    assert np.min(np.abs(t - v)) <= 1e-7 * v, v
+
+
+def _u8bit_reference(x):
+  """Nearest table entry by brute force (argmin of distances), sign bit, decode."""
+  x = np.asarray(x, np.float32)
+  table = dettmers_table()
+  scale = np.float32(np.abs(x).max())
+  r = np.abs(x) / (scale if scale > 0 else np.float32(1))
+  idx = np.argmin(np.abs(r[:, None].astype(np.float64) - table[None, :]), axis=1)
+  code = np.where((x < 0) & (idx > 0), idx | 0x80, idx).astype(np.uint8)
+  dec = np.where(x < 0, -1, 1) * (table[idx] * scale)
+  return scale, code, r, dec.astype(np.float32)
+
+
+def _check_u8bit(x):
+  (scale, code), dec = _round_trip(U8bitCodec(), x)
+  ref_scale, ref_code, r, ref_dec = _u8bit_reference(x)
+  assert scale == ref_scale and code.dtype == np.uint8
+  differ = code != ref_code
+  if differ.any():  # only a value on a midpoint (to float32 rounding) may go either way
+    table = dettmers_table().astype(np.float64)
+    i = (code[differ] & 0x7F).astype(int)
+    j = (ref_code[differ] & 0x7F).astype(int)
+    assert np.all(np.abs(i - j) == 1)
+    mid = (table[np.minimum(i, j)] + table[np.maximum(i, j)]) / 2
+    np.testing.assert_allclose(r[differ], mid, rtol=2e-7)
+  np.testing.assert_array_equal(dec[~differ], ref_dec[~differ])
+
+
+def test_u8bit_matches_numpy():
+  rng = np.random.default_rng(3)
+  x = (rng.standard_normal(1000) * np.exp(2 * rng.standard_normal(1000))).astype(np.float32)
+  x[:4] = 0.0
+  _check_u8bit(x)
+  _, dec = _round_trip(U8bitCodec(), x)
+  assert np.all(dec[:4] == 0) and np.abs(dec).max() == np.abs(x).max()  # zero and the max are exact
+
+
+@given(hnp.arrays(np.float32, 64, elements=st.floats(-1e3, 1e3, width=32, allow_subnormal=False)
+                  .filter(lambda v: v == 0 or abs(v) > 1e-20)))
+def test_u8bit_matches_numpy_property(x):
+  _check_u8bit(x)
+
+
+# ----------------------------------------------------------------------------
+# SketchML
+
+
+def _sketch_reference(x, q, positions=None):
+  """Buckets from order statistics of the (sampled) sorted values; exact bucket means."""
+  x = np.asarray(x, np.float32)
+  q = min(q, x.shape[0])
+  sample = x if positions is None else x[np.asarray(positions)]
+  s = np.sort(sample)
+  edges = s[(np.arange(1, q) * len(s)) // q]
+  idx = np.searchsorted(edges, x, side="right")
+  counts = np.bincount(idx, minlength=q)
+  sums = np.bincount(idx, weights=x.astype(np.float64), minlength=q)
+  means = np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)
+  return idx, means, means[idx]
+
+
+def _check_sketch(x, buckets, sample_size=16384, key=KEY):
+  n = x.shape[0]
+  codec = SketchCodec(buckets, sample_size)
+  (means, words), dec = _round_trip(codec, x, key)
+  q = min(buckets, n)
+  bits = next(b for b in (1, 2, 4, 8) if q <= 2 ** b)
+  assert means.shape == (q,) and means.dtype == np.float32
+  assert words.shape == (packing.packed_size(n, bits),) and words.dtype == np.uint8
+  positions = None if n <= sample_size else sample_positions(key, n, sample_size)
+  ref_idx, ref_means, _ = _sketch_reference(x, buckets, positions)
+  idx = np.asarray(packing.unpack(jnp.asarray(words), bits, n))
+  np.testing.assert_array_equal(idx, ref_idx)
+  np.testing.assert_allclose(means, ref_means, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(dec, means[idx])
+  return idx, dec
+
+
+@pytest.mark.parametrize("buckets", [64, 16, 4, 2])
+def test_sketchml_matches_numpy_exact_quantiles(buckets):
+  x = np.random.default_rng(4).standard_normal(300).astype(np.float32)
+  idx, dec = _check_sketch(x, buckets)
+  counts = np.bincount(idx, minlength=buckets)
+  assert counts.max() - counts.min() <= 1  # equal-count buckets from exact quantiles
+  np.testing.assert_allclose(dec.sum(), x.sum(), rtol=1e-4, atol=1e-4)  # the sum is kept
+
+
+def test_sketchml_matches_numpy_sampled_quantiles():
+  x = np.random.default_rng(5).standard_normal(20000).astype(np.float32)
+  idx, dec = _check_sketch(x, 64, sample_size=4096)
+  # 64 samples per bucket: each bucket's share of the leaf varies by ~1/8 (relative).
+  counts = np.bincount(idx, minlength=64) / (20000 / 64)
+  assert counts.min() > 0.4 and counts.max() < 1.8, counts
+  np.testing.assert_allclose(dec.sum(), x.sum(), rtol=1e-4, atol=1e-3)
+
+
+def test_sketchml_fewer_entries_than_buckets_is_exact():
+  x = np.array([0.5, -2.0, 0.5, 3.0, 1e-3, 0.0, -7.0], np.float32)
+  _, dec = _check_sketch(x, 64)
+  np.testing.assert_array_equal(dec, x)
+
+
+@given(hnp.arrays(np.float32, 64, elements=st.floats(-1e4, 1e4, width=32, allow_subnormal=False)),
+       st.sampled_from([4, 16, 64]))
+def test_sketchml_matches_numpy_property(x, buckets):
+  _check_sketch(x, buckets)
+
+
+# ----------------------------------------------------------------------------
+# INCEPTIONN
+
+
+def _inceptionn_reference(x, lsb, cap, shift):
+  """Byte by byte: tag and bytes per value in rotated order; stop at the first that does not fit."""
+  x = np.roll(np.asarray(x, np.float32), -shift)
+  tags, stream, full = [], bytearray(), False
+  for v in x.tolist():
+    a = abs(v)
+    q = math.floor(a * 2.0 ** -lsb + 0.5) if math.isfinite(a) else None
+    sign = 1 if math.copysign(1.0, v) < 0 else 0
+    if q is None or q >= 2 ** 15:
+      tag, data = 3, struct.pack("<f", v)
+    elif q >= 2 ** 7:
+      tag, data = 2, ((sign << 15) | q).to_bytes(2, "little")
+    elif q >= 1:
+      tag, data = 1, bytes([(sign << 7) | q])
+    else:
+      tag, data = 0, b""
+    if data and (full or len(stream) + len(data) > cap):
+      full = True
+      tag, data = 0, b""
+    tags.append(tag)
+    stream += data
+  stream += bytes(cap - len(stream))
+  dec = []
+  pos = 0
+  for t in tags:
+    w = (0, 1, 2, 4)[t]
+    chunk = bytes(stream[pos:pos + w])
+    pos += w
+    if t == 0:
+      dec.append(0.0)
+    elif t == 3:
+      dec.append(struct.unpack("<f", chunk)[0])
+    else:
+      word = int.from_bytes(chunk, "little")
+      top = 8 * w - 1
+      mag = (word & ((1 << top) - 1)) * 2.0 ** lsb
+      dec.append(-mag if word >> top else mag)
+  dec = np.roll(np.asarray(dec, np.float32), shift)
+  return np.asarray(tags), np.frombuffer(bytes(stream), np.uint8), dec
+
+
+def _check_inceptionn(x, error_bound, capacity, key=KEY):
+  n = x.shape[0]
+  codec = InceptionnCodec(lsb_exponent(error_bound), capacity)
+  (tag_words, stream), dec = _round_trip(codec, x, key)
+  cap = max(1, math.ceil(capacity * n - 1e-9))
+  assert tag_words.shape == (packing.packed_size(n, 2),) and stream.shape == (cap,)
+  shift = int(codec.shift(key, n))
+  ref_tags, ref_stream, ref_dec = _inceptionn_reference(x, codec.lsb, cap, shift)
+  np.testing.assert_array_equal(np.asarray(packing.unpack(jnp.asarray(tag_words), 2, n)), ref_tags)
+  np.testing.assert_array_equal(stream, ref_stream)
+  np.testing.assert_array_equal(dec, ref_dec)
+  return np.roll(ref_tags, shift), dec  # tags in the leaf's own order
+
+
+def test_inceptionn_matches_numpy_with_overflow():
+  x = np.random.default_rng(6).standard_normal(400).astype(np.float32) * 0.3
+  x[10:20] = [1e-5, -1e-4, 2e-3, -0.2, 0.26, -10.0, 70.0, -1e9, np.inf, np.nan]
+  tags, dec = _check_inceptionn(x, 2.0 ** -10, 1.0)
+  # The 16-bit values alone need more than n bytes: the stream is full, and
+  # values that would have been sent were not.
+  assert np.array([0, 1, 2, 4])[tags].sum() > 400 - 4
+  assert np.any((np.abs(x) >= 2.0 ** -10) & (dec == 0))
+
+
+def test_inceptionn_widths_and_error_bound_without_overflow():
+  x = np.array([0.0, 9e-4, 1e-3, -0.2, 0.26, -50.0, 70.0, np.inf, -np.inf, np.nan] * 3, np.float32)
+  tags, dec = _check_inceptionn(x, 2.0 ** -10, 4.0)
+  np.testing.assert_array_equal(tags[:10], [0, 0, 1, 1, 2, 2, 3, 3, 3, 3])
+  finite = np.isfinite(x)
+  assert np.all(np.abs(dec[finite] - x[finite]) <= 2.0 ** -10)
+  np.testing.assert_array_equal(dec[~finite][:2], x[~finite][:2])
+  assert np.isnan(dec[9])
+
+
+@given(hnp.arrays(np.float32, 64, elements=st.floats(-1e5, 1e5, width=32)),
+       st.sampled_from([3e-3, 2e-7]), st.integers(0, 2 ** 31 - 1))
+def test_inceptionn_error_bound_property(x, error_bound, seed):
+  """With room for every value, every entry is within error_bound (the grid step halves it)."""
+  _, dec = _check_inceptionn(x, error_bound, 4.0, jax.random.PRNGKey(seed))
+  assert np.all(np.abs(dec.astype(np.float64) - x) <= error_bound)
+
+
+def test_inceptionn_overflow_stays_in_the_residual_and_rotates():
+  """Stream for a quarter of the values: nothing is lost and no position starves."""
+  tx = jaxcomp.inceptionn(capacity=0.5, axis_name=None)
+  g = {"w": jnp.ones((256,), jnp.float32)}  # 16-bit values: 64 fit per step
+  steps = 40
+
+  def body(state, _):
+    out, state = tx.update(g, state)
+    return state, out["w"]
+
+  state, outs = jax.jit(lambda s: jax.lax.scan(body, s, None, length=steps))(tx.init(g))
+  outs = np.asarray(outs, np.float64)
+  assert np.all((outs != 0).any(axis=0))  # every position was sent at some step
+  assert np.all((outs != 0).sum(axis=1) <= 64)
+  np.testing.assert_allclose(outs.sum(0) + np.asarray(state.memory["w"]), steps, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# Bad arguments
+
+
+@pytest.mark.parametrize("factory,kwargs,error,match", [
+    (jaxcomp.terngrad, {"clip_sigma": 0.0}, ValueError, "clip_sigma"),
+    (jaxcomp.terngrad, {"clip_sigma": -2.5}, ValueError, "clip_sigma"),
+    (jaxcomp.terngrad, {"clip_sigma": "2.5"}, TypeError, "clip_sigma"),
+    (jaxcomp.terngrad, {"error_feedback": "yes"}, TypeError, "error_feedback"),
+    (jaxcomp.natural, {"bits": 3}, ValueError, r"bits must be one of \(2, 4, 8\)"),
+    (jaxcomp.natural, {"bits": True}, ValueError, "bits"),
+    (jaxcomp.natural, {"seed": "0"}, TypeError, "seed"),
+    (jaxcomp.u8bit, {"error_feedback": 1}, TypeError, "error_feedback"),
+    (jaxcomp.sketchml, {"buckets": 1}, ValueError, r"buckets must be in \[2, 256\]"),
+    (jaxcomp.sketchml, {"buckets": 257}, ValueError, "buckets"),
+    (jaxcomp.sketchml, {"buckets": 8.0}, TypeError, "buckets"),
+    (jaxcomp.sketchml, {"sample_size": 10}, ValueError, "sample_size must be >= 64"),
+    (jaxcomp.inceptionn, {"error_bound": 0.0}, ValueError, "error_bound"),
+    (jaxcomp.inceptionn, {"error_bound": float("nan")}, ValueError, "error_bound"),
+    (jaxcomp.inceptionn, {"error_bound": 1e6}, ValueError, "error_bound"),
+    (jaxcomp.inceptionn, {"error_bound": 1e-40}, ValueError, "error_bound"),
+    (jaxcomp.inceptionn, {"error_bound": "tiny"}, TypeError, "error_bound"),
+    (jaxcomp.inceptionn, {"capacity": 0}, ValueError, "capacity"),
+    (jaxcomp.inceptionn, {"capacity": 4.5}, ValueError, r"capacity must be in \(0, 4\]"),
+    (jaxcomp.inceptionn, {"capacity": None}, TypeError, "capacity"),
+])
+def test_bad_arguments(factory, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    factory(**kwargs)

@@ -1,0 +1,247 @@
+"""RedSync: sort-free selection kernels and the method built on them.
+
+The generic properties (pmap == shard_map, replicas, wire bytes, NaN) come
+from test_properties.py; here: trimmed top-k is the exact top-k, the binary
+search returns k..capacity entries that dominate the rest, the payload
+variants (quantized, trimmed, momentum) keep their contracts.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from harness import (
+  AXIS,
+  assert_replicas_equal,
+  init_stacked,
+  params_tree,
+  pmap_wire_bytes,
+  run_pmap,
+  worker_grads,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jaxcomp
+from jaxcomp.transforms import _args, selection
+from jaxcomp.transforms.redsync import MomentumCorrection
+
+SIZES = (37, 1000)  # a tail shorter than one 32-bit word; several words and a tail
+RATIOS = (0.01, 0.3)
+BATCH = 4
+
+
+@functools.cache
+def _trimmed(k):
+  return jax.jit(jax.vmap(lambda x: selection.trimmed_topk(x, k)))
+
+
+@functools.cache
+def _bsearch(k):
+  return jax.jit(jax.vmap(lambda x, t: selection.threshold_binary_search(x, k, threshold=t)))
+
+
+def _data(kind, n, seed):
+  rng = np.random.default_rng(seed)
+  if kind == "normal":
+    x = rng.standard_normal((BATCH, n))
+  elif kind == "ties":  # few distinct magnitudes: the k-th value is tied many times
+    x = rng.integers(-3, 4, (BATCH, n))
+  elif kind == "heavy":  # magnitudes over many decades
+    x = rng.standard_cauchy((BATCH, n)) ** 3
+  elif kind == "constant":
+    x = np.full((BATCH, n), -0.5)
+  else:  # zeros with a few spikes
+    x = np.zeros((BATCH, n))
+    x[:, rng.integers(0, n, 3)] = rng.standard_normal(3)
+  return x.astype(np.float32)
+
+
+KINDS = st.sampled_from(["normal", "ties", "heavy", "constant", "sparse"])
+
+
+@given(n=st.sampled_from(SIZES), ratio=st.sampled_from(RATIOS), kind=KINDS, seed=st.integers(0, 2**16))
+def test_trimmed_topk_is_the_exact_topk(n, ratio, kind, seed):
+  x = _data(kind, n, seed)
+  k = _args.count(ratio, n)
+  sel = _trimmed(k)(jnp.asarray(x))
+  for row, idx, count in zip(x, np.asarray(sel.indices), np.asarray(sel.count)):
+    # lax.top_k's order: decreasing magnitude, lower index first among equals.
+    np.testing.assert_array_equal(idx, np.argsort(-np.abs(row), kind="stable")[:k])
+    assert count == k
+
+
+@given(n=st.sampled_from(SIZES), ratio=st.sampled_from(RATIOS), kind=KINDS, seed=st.integers(0, 2**16),
+       warm=st.sampled_from([0.0, 0.5, 3.0, 1e30]))
+def test_binary_search_returns_k_to_capacity_dominant_entries(n, ratio, kind, seed, warm):
+  x = _data(kind, n, seed)
+  k = _args.count(ratio, n)
+  cap = min(2 * k, n)
+  sel = _bsearch(k)(jnp.asarray(x), jnp.full((BATCH,), warm, jnp.float32))
+  for row, idx, count, thr in zip(x, np.asarray(sel.indices), np.asarray(sel.count),
+                                  np.asarray(sel.threshold)):
+    assert idx.shape == (cap,)
+    assert k <= count <= cap
+    chosen = idx[:count]
+    np.testing.assert_array_equal(idx[count:], n)
+    assert np.all(np.diff(chosen) > 0)
+    mag = np.abs(row)
+    left = np.setdiff1d(np.arange(n), chosen)
+    if left.size:
+      assert mag[chosen].min() >= mag[left].max()
+    assert np.all(mag[chosen] >= thr)
+
+
+def test_binary_search_with_the_carried_threshold_finds_the_same_kind_of_set():
+  x = _data("normal", 1000, 1)
+  k = _args.count(0.01, 1000)
+  first = _bsearch(k)(jnp.asarray(x), jnp.zeros((BATCH,), jnp.float32))
+  again = _bsearch(k)(jnp.asarray(x), first.threshold)
+  np.testing.assert_array_equal(np.asarray(again.threshold), np.asarray(first.threshold))
+  np.testing.assert_array_equal(np.asarray(again.indices), np.asarray(first.indices))
+
+
+def test_nan_entries_are_never_selected():
+  x = _data("normal", 1000, 2)
+  x[:, ::3] = np.nan
+  k = _args.count(0.3, 1000)
+  for sel in (_trimmed(k)(jnp.asarray(x)), _bsearch(k)(jnp.asarray(x), jnp.zeros((BATCH,)))):
+    for row, idx, count in zip(x, np.asarray(sel.indices), np.asarray(sel.count)):
+      assert np.all(np.isfinite(row[idx[:count]]))
+      assert count >= k
+
+
+def test_mask_words_and_compact_match_numpy():
+  x = _data("normal", 1000, 3)[0]
+  words = jax.jit(selection.mask_words)(jnp.asarray(x), 1.5)
+  assert words.shape == (32,) and words.dtype == jnp.uint32
+  ref = np.nonzero(np.abs(x) >= 1.5)[0]
+  idx, count = jax.jit(selection.compact, static_argnums=(1, 2))(words, 1000, 200)
+  assert int(count) == min(ref.size, 200)
+  np.testing.assert_array_equal(np.asarray(idx)[:ref.size], ref[:200])
+  np.testing.assert_array_equal(np.asarray(idx)[ref.size:], 1000)
+
+
+def test_selection_arguments_are_checked():
+  x = jnp.zeros((10,))
+  with pytest.raises(ValueError, match="k must be an int in"):
+    selection.trimmed_topk(x, 0)
+  with pytest.raises(ValueError, match="capacity must be an int >= k"):
+    selection.threshold_binary_search(x, 4, capacity=3)
+  with pytest.raises(ValueError, match="step must be in"):
+    selection.trimmed_topk(x, 2, step=0.0)
+  with pytest.raises(ValueError, match="x must be a 1-D vector"):
+    selection.trimmed_topk(jnp.zeros((2, 5)), 2)
+
+
+# ----------------------------------------------------------------------------
+# The method
+
+
+def _sent(grads, state, new_state):
+  """What each worker sent, x - new residual, computed in float32 as the memory does."""
+  return jax.tree.map(lambda g, e, e2: (np.asarray(e) + np.asarray(g)) - np.asarray(e2),
+                      grads, state.memory, new_state.memory)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"selection": "trimmed", "ratio": 0.01},
+    {"selection": "binary_search", "quantize": True, "ratio": 0.05},
+])
+def test_variants_send_what_they_count_and_keep_the_rest(kwargs):
+  tx = jaxcomp.redsync(axis_name=AXIS, **kwargs)
+  params = params_tree()
+  state = init_stacked(tx, params)
+  for step in range(2):
+    grads = worker_grads(params, seed=20 + step)
+    out, new_state = run_pmap(tx, grads, state)
+    assert_replicas_equal(out)
+    sent = _sent(grads, state, new_state)
+    for s, o in zip(jax.tree.leaves(sent), jax.tree.leaves(out)):
+      np.testing.assert_allclose(np.asarray(o[0]), s.mean(axis=0), rtol=1e-5, atol=1e-6)
+    kernel = sent["dense"]["kernel"].reshape(sent["dense"]["kernel"].shape[0], -1)  # sparse
+    k = _args.count(kwargs["ratio"], kernel.shape[1])
+    for w in range(kernel.shape[0]):
+      values = kernel[w][kernel[w] != 0]
+      if kwargs["selection"] == "trimmed":
+        assert values.size == k
+      else:
+        assert k <= values.size <= 2 * k
+      if kwargs.get("quantize"):
+        assert len(np.unique(values[values > 0])) <= 1 and len(np.unique(values[values < 0])) <= 1
+    np.testing.assert_array_equal(sent["dense"]["bias"], np.asarray(grads["dense"]["bias"]))  # dense
+    state = new_state
+  if kwargs.get("quantize"):
+    measured = pmap_wire_bytes(tx, params)
+    assert measured["total"] == jaxcomp.wire_bytes(tx, params)
+
+
+def test_trimmed_payload_matches_numpy_topk_mean():
+  tx = jaxcomp.redsync(ratio=0.01, selection="trimmed", axis_name=AXIS)
+  params = params_tree()
+  grads = worker_grads(params, seed=7)
+  out, _ = run_pmap(tx, grads, init_stacked(tx, params))
+  g = np.asarray(grads["conv"]["kernel"], np.float64).reshape(grads["conv"]["kernel"].shape[0], -1)
+  k = _args.count(0.01, g.shape[1])
+  ref = np.zeros_like(g)
+  for w in range(g.shape[0]):
+    top = np.argsort(-np.abs(g[w]), kind="stable")[:k]
+    ref[w, top] = g[w, top]
+  np.testing.assert_allclose(np.asarray(out["conv"]["kernel"][0]).reshape(-1), ref.mean(axis=0),
+                             rtol=1e-6, atol=1e-7)
+
+
+def test_binary_search_thresholds_are_carried_in_the_state():
+  tx = jaxcomp.redsync(ratio=0.01, axis_name=None)
+  params = params_tree()
+  state = tx.init(params)
+  thresholds = [np.asarray(e) for e in state.extra if len(e)]
+  assert all(np.all(t == 0) for t in thresholds)
+  grads = jax.tree.map(lambda g: g[0], worker_grads(params, seed=5, n=1))
+  _, state = jax.jit(tx.update)(grads, state)
+  thresholds = [np.asarray(e) for e in state.extra if len(e)]
+  assert thresholds and all(np.all(t > 0) & np.all(np.isfinite(t)) for t in thresholds)
+
+
+def test_small_leaves_go_dense():
+  tx = jaxcomp.redsync(min_size=10_000, axis_name=AXIS)
+  params = params_tree()
+  grads = worker_grads(params, seed=8)
+  out, _ = run_pmap(tx, grads, init_stacked(tx, params))
+  for g, o in zip(jax.tree.leaves(grads), jax.tree.leaves(out)):
+    np.testing.assert_allclose(np.asarray(o[0]), np.asarray(g).mean(axis=0), rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_correction_masks_sent_entries_and_keeps_the_rest():
+  tx = jaxcomp.redsync(ratio=0.05, momentum=0.9, quantize=True, axis_name=None)
+  assert isinstance(tx.method.memory, MomentumCorrection)
+  params = {"w": jnp.zeros((40, 24))}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for step in range(3):
+    g = jax.random.normal(jax.random.PRNGKey(step), (40, 24))
+    out, new = update({"w": g}, state)
+    u_old, v_old = np.asarray(state.memory.momentum["w"]), np.asarray(state.memory.accumulation["w"])
+    x = v_old + 0.9 * u_old + np.asarray(g)
+    sent = np.asarray(out["w"]) != 0
+    assert 0 < sent.sum() <= 2 * _args.count(0.05, 960)
+    np.testing.assert_allclose(np.asarray(new.memory.accumulation["w"]) + np.asarray(out["w"]), x,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(new.memory.momentum["w"])[sent], 0.0)
+    np.testing.assert_allclose(np.asarray(new.memory.momentum["w"])[~sent], (x - v_old)[~sent],
+                               rtol=1e-5, atol=1e-6)
+    state = new
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"selection": "sort"}, r"selection must be one of \('binary_search', 'trimmed'\)"),
+    ({"ratio": 0.0}, "ratio must be in"),
+    ({"min_size": 0}, "min_size must be >= 1"),
+    ({"momentum": 1.0}, r"momentum must be in \[0, 1\)"),
+    ({"quantize": "yes"}, "quantize must be True or False"),
+])
+def test_bad_arguments_name_themselves(kwargs, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    jaxcomp.redsync(**kwargs)
