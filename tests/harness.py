@@ -56,14 +56,18 @@ def _shard_step(tx, n):
 
 
 def run_pmap(tx, grads, state):
-  """One step under ``jax.pmap``; grads and state carry the worker axis."""
-  return _pmap_step(tx)(grads, state)
+  """One step under ``jax.pmap``; grads and state carry the worker axis.
+
+  Results come back as host arrays, like ``init_stacked``'s, so that a second
+  step reuses the compiled program instead of compiling for device-sharded inputs.
+  """
+  return jax.device_get(_pmap_step(tx)(grads, state))
 
 
 def run_shard_map(tx, grads, state):
   """One step under ``jax.jit(jax.shard_map)`` over a 1-D mesh; same layout as pmap."""
   n = jax.tree.leaves(grads)[0].shape[0]
-  return _shard_step(tx, n)(grads, state)
+  return jax.device_get(_shard_step(tx, n)(grads, state))
 
 
 def init_stacked(tx, params, n: int = N):

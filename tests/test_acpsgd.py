@@ -14,6 +14,15 @@ from jaxcomp.transforms.acpsgd import phases
 RANK = 2
 
 
+def _host(state):
+  """The state on the host: the next pmap call then reuses its compiled step.
+
+  (A state returned by pmap is sharded over devices; fed back, it would make
+  pmap compile the step a second time.)
+  """
+  return jax.device_get(state)
+
+
 def model_tree():
   """Matrices of several shapes (two of one shape, to share a group), a conv kernel, 1-D leaves."""
   return {
@@ -97,9 +106,10 @@ def test_matches_numpy_acpsgd_over_four_steps(workers):
   assert sorted({f for _, f in phases(tx, params)}) == [0, 1]  # both schedules are exercised
   grads = [worker_grads(params, seed=step, n=workers) for step in range(4)]
   expected = reference(tx, params, grads)
-  state = init_stacked(tx, params, workers)
+  state = _host(init_stacked(tx, params, workers))
   for step in range(4):
     out, state = run_pmap(tx, grads[step], state)
+    state = _host(state)
     assert_replicas_equal(out)
     for got, want in zip(jax.tree.leaves(out), expected[step]):
       np.testing.assert_allclose(np.asarray(got[0], np.float64), want, rtol=2e-4, atol=2e-5)
@@ -168,10 +178,11 @@ def test_least_squares_reaches_the_dense_loss():
   total = jax.jit(lambda p: loss(p, X.reshape(-1, d_in), Y.reshape(-1, d_out)))
 
   def train(tx, steps=150, lr=0.05):
-    state = init_stacked(tx, params, workers)
+    state = _host(init_stacked(tx, params, workers))
     p = params
     for _ in range(steps):
       updates, state = run_pmap(tx, grads_fn(p, X, Y), state)
+      state = _host(state)
       p = jax.tree.map(lambda w, u: np.asarray(w) - lr * np.asarray(u[0]), p, updates)
     return float(total(p))
 

@@ -11,11 +11,13 @@ update's own output is), and prints each method's median time, GB/s of
 gradient processed and ratio to the copy, against the targets of issue 5.
 
 Then the memory part: the temporary bytes (``compiled.memory_analysis()``)
-of each method's compiled pmap step over 8 CPU devices on the same shapes,
-against the dense step's.
+of each method's compiled pmap step over 8 CPU devices (state donated) on
+the big leaf (``--memory-shapes resnet50`` for ResNet-50's shapes), against
+the dense step's.
 
 Options: ``--quick`` (a 2^20-value leaf and a 40-leaf slice of ResNet-50,
-3 runs), ``--methods a,b``, ``--reps R``, ``--no-memory``, ``--json PATH``.
+3 runs), ``--methods a,b``, ``--reps R``, ``--no-memory``, ``--no-timing``,
+``--memory-shapes``, ``--json PATH``.
 """
 
 from __future__ import annotations
@@ -211,6 +213,10 @@ def main(argv=None) -> None:
   parser.add_argument("--methods", default=None, help="comma-separated names (default: all of METHODS)")
   parser.add_argument("--reps", type=int, default=None, help="timed runs per method (default 7; quick 3)")
   parser.add_argument("--no-memory", action="store_true", help="skip the compiled-memory table")
+  parser.add_argument("--no-timing", action="store_true", help="only the compiled-memory table")
+  parser.add_argument("--memory-shapes", default="big", choices=("big", "resnet50"),
+                      help="shapes of the memory table: the big single leaf (default) or ResNet-50's"
+                           " (its 161-leaf pmap programs take minutes each to compile)")
   parser.add_argument("--json", default=None, help="also write the results to this JSON file")
   args = parser.parse_args(argv)
 
@@ -240,13 +246,13 @@ def main(argv=None) -> None:
         " jit(jnp.copy) of the same grads into fresh buffers, timed just before each method;"
         " GB/s = float32 gradient bytes / time. Shared machine: other jobs add noise.")
   results: dict = {"reps": reps, "cases": [], "memory": []}
-  for label, case_shapes in cases:
+  for label, case_shapes in ([] if args.no_timing else cases):
     grads = shp.random(case_shapes)
     results["cases"].extend(run_case(label, grads, entries, reps))
     del grads
     jax.clear_caches()
   if not args.no_memory:
-    label, case_shapes = cases[-1]
+    label, case_shapes = cases[0] if args.memory_shapes == "big" else cases[1]
     results["memory"] = run_memory(label, case_shapes, entries)
   if args.json:
     with open(args.json, "w") as f:

@@ -57,6 +57,8 @@ COMPUTE: Dict[str, Tuple[float, str]] = {
 }
 DEVICE_GBS = 900.0  # V100 HBM2 peak memory bandwidth, GB/s (NVIDIA V100 datasheet)
 LABELS = {"resnet50": "ResNet-50", "bert-base": "BERT-base"}
+KIND_SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
+              "collective-permute": "CP"}
 COMPRESS_TEXT = {
     "scaled": "measured on this CPU as (update time - dense update time) / copy time, times the"
               " time of copying the model's float32 gradients at {gbs:g} GB/s (2 x bytes moved);"
@@ -354,7 +356,7 @@ def main(argv=None) -> None:
       rec = measured[model][label]
       tr = rec["traffic"]
       tot = tr["totals"]
-      kinds = "+".join(f"{k.replace('all-', '')}" for k in netsim.KINDS if tot.get(k))
+      kinds = "+".join(KIND_SHORT[k] for k in netsim.KINDS if tot.get(k))
       comp, dec = 0.0, 0.0
       if args.compress != "zero":
         rt = rec["round_trip"]
