@@ -13,7 +13,7 @@ the number of distinct shapes, not with the number of leaves.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -271,7 +271,7 @@ class Method:
   def wire_bytes(self, params: Any, nonfinite_flag: bool = True) -> int:
     """Nominal bytes one worker hands to collectives per step for ``params``.
 
-    ``nonfinite_flag``: count the int32 that tells every worker about a
+    ``nonfinite_flag``: count the float32 that tells every worker about a
     non-finite step (see :func:`build`); it is sent only over an axis, and
     only when some leaf group's exchange does not carry NaN/Inf by itself.
     """
@@ -281,8 +281,7 @@ class Method:
       payload = self.fused.wire_bytes(plan)
     else:
       payload = sum(ex.wire_bytes(view, len(idx)) for ex, view, idx in plan)
-    return payload + (
-        NONFINITE_FLAG_BYTES if flag else 0)
+    return payload + (NONFINITE_FLAG_BYTES if flag else 0)
 
 
 class CompressionTransformation(optax.GradientTransformation):
@@ -301,29 +300,16 @@ def _check_leaves(leaves, paths):
           " optax.multi_transform.")
 
 
-NONFINITE_FLAG_BYTES = 4  # one int32 all-reduced per step, see build()
+NONFINITE_FLAG_BYTES = 4  # one float32 all-reduced per step, see build()
 
 
-def _any_nonfinite(leaves) -> jax.Array:
-  flags = [~jnp.all(jnp.isfinite(leaf)) for leaf in leaves if leaf.size]
-  return jnp.any(jnp.stack(flags)) if flags else jnp.zeros((), bool)
-
-
-def _nonfinite_step(plan, x, out, axis: Axis) -> jax.Array:
-  """True, identically on every worker, when this step must be skipped.
-
-  That is when any worker's compensated input ``x`` or the output (identical
-  on every worker) holds a NaN or Inf. Whether some worker's input did is
-  all-reduced as one int32 (4 bytes), unless every exchange carries NaN/Inf
-  into the mean by itself (the dense float psums), so the output shows it.
-  """
-  bad = _any_nonfinite(out)
-  if axis.name is None:
-    return bad | _any_nonfinite(x)
-  if all(ex.carries_nonfinite for ex, _, _ in plan):
-    return bad
-  votes = ops.allreduce_sum(_any_nonfinite(x).astype(jnp.int32), axis)
-  return bad | (votes > 0)
+def _nan_if_nonfinite(leaves) -> jax.Array:
+  """0.0 if every entry of ``leaves`` is finite, else NaN: a sum of ``x * 0``, which cannot overflow."""
+  total = jnp.zeros((), jnp.float32)
+  for leaf in leaves:
+    if leaf.size:
+      total = total + jnp.sum(leaf.astype(jnp.float32) * 0.0)
+  return total
 
 
 def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> CompressionTransformation:
@@ -340,18 +326,18 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
     the axis of what the workers sent, identical on every worker.
 
   Non-finite steps: if any worker's gradient (after error-feedback
-  compensation) or the output holds a NaN or Inf, every entry of the output
-  is NaN on every worker, so that a guard such as ``optax.apply_if_finite``
-  skips the step on all replicas together. The step then counts nothing as
-  sent: the residual keeps every finite value of its input (non-finite
-  entries are reset to 0) and the exchanges' state (PowerSGD's Q) is left as
-  it was; the next step is finite again. Codecs lose NaNs (a sign bit, an
-  unsampled position), so whether some worker's input was non-finite is
-  all-reduced as one int32 (4 bytes, counted by :func:`wire_bytes`); a flag
-  inside the payloads would need a change to every exchange and still cost
-  bytes (sign payloads have no spare bit). Methods whose exchanges all psum
-  the float values (none, fp16, bf16) carry NaN/Inf into the mean and skip
-  the flag.
+  compensation) holds a NaN or Inf, the output is non-finite on every worker,
+  so that a guard such as ``optax.apply_if_finite`` skips the step on all
+  replicas together: every entry is NaN, except for the methods whose
+  exchanges all psum the float values (none, fp16, bf16), where the NaN/Inf
+  is where ``lax.pmean`` would put it. Such a step counts nothing as sent:
+  the residual keeps every finite value of its input (non-finite entries are
+  reset to 0) and the exchanges' state (PowerSGD's Q) is left as it was; the
+  next step is finite again. Codecs lose NaNs (a sign bit, an unsampled
+  position), so each worker's ``sum(x * 0)`` (0, or NaN) is all-reduced as
+  one float32: 4 bytes, counted by :func:`wire_bytes`, and one pass over the
+  gradients. A flag inside the payloads would need every exchange to carry
+  it and still cost bytes (packed sign payloads have no spare bit).
   """
   axis_name = check_axis_name(axis_name)
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
@@ -418,8 +404,11 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
     out = jax.tree.leaves(method.memory.output(treedef.unflatten(mean)))
     out = [o.astype(leaf.dtype) for o, leaf in zip(out, leaves)]
     if plan:
-      bad = _nonfinite_step(plan, x, out, axis)
-      out = [jnp.where(bad, jnp.nan, o).astype(o.dtype) for o in out]
+      if all(ex.carries_nonfinite for ex, _, _ in plan):  # the psum put it in ``out`` already
+        bad = jnp.isnan(_nan_if_nonfinite(out))
+      else:
+        bad = jnp.isnan(ops.allreduce_sum(_nan_if_nonfinite(x), axis))
+        out = [jnp.where(bad, jnp.nan, o).astype(o.dtype) for o in out]
       local = [jnp.where(bad, 0.0, s) for s in local]
       extra = [jax.tree.map(lambda new, old: jnp.where(bad, old, new), e, e0)
                for e, e0 in zip(extra, state.extra)]

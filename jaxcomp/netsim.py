@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from collections.abc import Mapping, Sequence
+from typing import Union
 
 from jaxcomp.collectives.wire import collective_bytes
 
@@ -142,7 +143,7 @@ class Link:
     _check(1, 0, self.bandwidth, self.latency)
 
   @classmethod
-  def gbps(cls, gbps: float, latency: float = 0.0) -> "Link":
+  def gbps(cls, gbps: float, latency: float = 0.0) -> Link:
     """A link of ``gbps`` Gb/s (converted to bytes/s) and ``latency`` seconds."""
     return cls(gbit(gbps), latency)
 
@@ -163,7 +164,7 @@ class Network:
   workers: int
   link: Link
   per_node: int = 1
-  intra: Optional[Link] = None
+  intra: Link | None = None
   algorithm: str = "ring"
 
   def __post_init__(self):
@@ -250,10 +251,10 @@ def two_level(workers: int, per_node: int, gbps: float, intra_gbps: float, laten
 # ----------------------------------------------------------------------------
 # Traffic of a compiled program
 
-Traffic = Union[Mapping[str, float], Sequence[Tuple[str, float]]]
+Traffic = Union[Mapping[str, float], Sequence[tuple[str, float]]]  # noqa: UP007
 
 
-def collectives(hlo_text: str) -> List[Tuple[str, int]]:
+def collectives(hlo_text: str) -> list[tuple[str, int]]:
   """One ``(kind, bytes per worker)`` entry per collective instruction of an HLO module."""
   out = []
   for line in hlo_text.splitlines():
@@ -264,7 +265,7 @@ def collectives(hlo_text: str) -> List[Tuple[str, int]]:
   return out
 
 
-def _entries(traffic: Traffic) -> List[Tuple[str, float]]:
+def _entries(traffic: Traffic) -> list[tuple[str, float]]:
   if isinstance(traffic, Mapping):
     return [(k, float(traffic[k])) for k in KINDS if traffic.get(k)]
   entries = [(str(k), float(b)) for k, b in traffic]
@@ -274,7 +275,7 @@ def _entries(traffic: Traffic) -> List[Tuple[str, float]]:
   return entries
 
 
-def communication_time(traffic: Traffic, network: Network, bucket_bytes: Optional[float] = None) -> float:
+def communication_time(traffic: Traffic, network: Network, bucket_bytes: float | None = None) -> float:
   """Seconds the collectives of one step take on ``network``, one after another.
 
   Args:
@@ -347,7 +348,7 @@ def step_time(compute: float, compression: float, communication: float, overlap:
 
 
 def predict(traffic: Traffic, network: Network, compute: float, compression: float = 0.0,
-            overlap: bool = False, bucket_bytes: Optional[float] = None,
+            overlap: bool = False, bucket_bytes: float | None = None,
             backward_fraction: float = 2.0 / 3.0) -> StepTime:
   """:func:`step_time` with the communication of ``traffic`` on ``network``."""
   comm = communication_time(traffic, network, bucket_bytes)

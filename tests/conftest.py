@@ -8,7 +8,6 @@ import os
 
 os.environ.setdefault("PJRT_NPROC", "16")
 
-import jax  # noqa: E402
 
 import jaxcomp  # noqa: E402
 

@@ -14,16 +14,18 @@ bfloat16, float16, scalar and empty leaves), the documented behaviour:
 
 - finite input: finite output, identical on every worker, each leaf in its
   own dtype and shape (empty leaves stay empty);
-- a NaN or Inf anywhere on one worker: every entry of the output is NaN on
-  every worker (``optax.apply_if_finite`` skips the step on all replicas), the
-  state stays finite, a plain residual keeps every finite value of its input
-  (nothing counts as sent), and the next step is finite again;
+- a NaN or Inf anywhere on one worker: the output is non-finite on every
+  worker, identically (``optax.apply_if_finite`` skips the step on all
+  replicas): all NaN, except for none/fp16/bf16 whose float psum puts the
+  NaN/Inf where ``lax.pmean`` would; the state stays finite, a plain residual
+  keeps every finite value of its input (nothing counts as sent), and the
+  next step is finite again;
 - all zeros: an all-zero output, except for the sign methods without a scale
   in ``ZERO_IS_POSITIVE`` (a sign bit of 0 counts as +1, so the output is +1);
 - huge (1e30, and 1e38 near float32's max) and tiny (1e-30, 1e-40 subnormal)
-  magnitudes: the output is finite or, where a method overflows, all NaN (a
-  skipped step), never partly non-finite; the state stays finite. At 1e30
-  only ``OVERFLOWS`` skip; at 1e38 any method may.
+  magnitudes: the output is finite or, where a method overflows inside, non-finite
+  on every worker identically (a step to skip); the state stays finite. At
+  1e30 only ``OVERFLOWS`` overflow; at 1e38 any method may.
 """
 
 import functools
@@ -130,10 +132,11 @@ def test_unknown_options_are_named(name):
 # Odd gradients
 
 ZERO_IS_POSITIVE = {"signsgd", "signum"}
-# Steps skipped (all-NaN output) at 1e30: fp16 cannot hold it, QSGD squares it for its norm.
-# Near float32's maximum (1e38) any method may skip, most do: they sum, average or round up.
+# Non-finite output (a step to skip) from finite input at 1e30: fp16 cannot hold it, QSGD
+# squares it for its norm. Near float32's maximum (1e38) any method may overflow, most do:
+# they sum, average or round up.
 OVERFLOWS = {"fp16": {"huge"}, "qsgd": {"huge"}}
-MAY_SKIP = {"max"}
+MAY_OVERFLOW = {"max"}
 
 
 def _tree():
@@ -167,10 +170,25 @@ def _assert_state_finite(state, what):
     assert np.all(np.isfinite(x)), f"non-finite state after {what}"
 
 
-def _assert_all_nan(out, what):
+def _carries_nonfinite(tx) -> bool:
+  """The dense float psums (none, fp16, bf16): NaN/Inf stay where lax.pmean puts them."""
+  return all(ex.carries_nonfinite for ex, _, _ in tx.method.plan(jax.tree.leaves(_tree())))
+
+
+def _assert_replicas_agree(out, what):
   for k, v in out.items():
     a = np.asarray(v, np.float64)
-    assert np.all(np.isnan(a)), f"{what}: leaf {k} is not all NaN on every worker"
+    np.testing.assert_array_equal(a, np.broadcast_to(a[:1], a.shape), err_msg=f"{what}: replicas differ in {k}")
+
+
+def _assert_poisoned(tx, out, what):
+  """Non-finite on every worker, identically: all NaN, or NaN/Inf where pmean puts it."""
+  _assert_replicas_agree(out, what)
+  a = [np.asarray(v, np.float64) for v in out.values()]
+  assert not all(np.isfinite(x).all() for x in a), f"{what}: the output is finite"
+  if not _carries_nonfinite(tx):
+    for k, x in zip(out, a):
+      assert np.all(np.isnan(x)), f"{what}: leaf {k} is not all NaN"
 
 
 def _assert_finite_and_shaped(out, what):
@@ -208,15 +226,16 @@ def test_odd_gradients_have_the_documented_behaviour(name):
   # Finite steps first, so that the residual is not zero.
   out, state = step(_grads(1.0, 1.0), state0)
   _assert_finite_and_shaped(out, "normal")
-  skipped = set()
+  overflowed = set()
   for case, (scale, fp16_scale) in CASES.items():
     out, s1 = step(_grads(scale, fp16_scale, seed=1), state)
     _assert_state_finite(s1, case)
-    if all(np.isnan(np.asarray(v, np.float32)).all() for v in out.values()):
-      skipped.add(case)  # an overflow inside the method: a skipped step, on every worker
-    else:
+    if all(np.isfinite(np.asarray(v, np.float32)).all() for v in out.values()):
       _assert_finite_and_shaped(out, case)
-  assert skipped - MAY_SKIP == OVERFLOWS.get(name, set()), f"{name}: steps skipped for {sorted(skipped)}"
+    else:
+      overflowed.add(case)  # inside the method: a step to skip, on every worker
+      _assert_replicas_agree(out, case)
+  assert overflowed - MAY_OVERFLOW == OVERFLOWS.get(name, set()), f"{name}: overflowed at {sorted(overflowed)}"
   out, _ = step(_grads(0.0, 0.0), state0)  # zeros from a fresh state (no residual to send)
   for v in out.values():
     np.testing.assert_array_equal(np.asarray(v, np.float32), 1.0 if name in ZERO_IS_POSITIVE else 0.0)
@@ -227,7 +246,7 @@ def test_odd_gradients_have_the_documented_behaviour(name):
     g[leaf] = g[leaf].at[(worker,) + (0,) * (g[leaf].ndim - 1)].set(bad)
     out, s1 = step(g, state)
     what = f"{bad} in {leaf} on worker {worker}"
-    _assert_all_nan(out, what)
+    _assert_poisoned(tx, out, what)
     _assert_state_finite(s1, what)
     _residual_keeps_its_input(tx, g, state, s1)
     out, _ = step(_grads(1.0, 1.0, seed=3), s1)

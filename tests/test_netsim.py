@@ -4,10 +4,10 @@ import math
 
 import jax
 import pytest
+from harness import AXIS, init_stacked, params_tree, worker_grads
 
 import jaxcomp
 from jaxcomp import netsim
-from harness import AXIS, init_stacked, params_tree, worker_grads
 
 MB = 1e6
 B10 = 1.25e9  # 10 Gb/s in bytes/s

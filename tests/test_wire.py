@@ -9,20 +9,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from harness import (
+  AXIS,
+  N,
+  assert_replicas_equal,
+  assert_trees_close,
+  init_stacked,
+  params_tree,
+  pmap_wire_bytes,
+  run_pmap,
+  worker_grads,
+)
+from hypothesis import given
+from hypothesis import strategies as st
 
 import jaxcomp
 from jaxcomp import core
 from jaxcomp.collectives import packing
 from jaxcomp.transforms import sparse
-from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, params_tree,
-                     pmap_wire_bytes, run_pmap, worker_grads)
-
 
 # ----------------------------------------------------------------------------- packing
 
 
-@given(bits=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 300), batch=st.integers(0, 3),
+SIZES = [1, 3, 7, 8, 9, 63, 64, 65, 255]  # few distinct shapes: each one compiles the eager ops
+
+
+@given(bits=st.sampled_from([1, 2, 4, 8]), n=st.sampled_from(SIZES), batch=st.integers(0, 2),
        seed=st.integers(0, 2**31 - 1))
 def test_pack_round_trip(bits, n, batch, seed):
   rng = np.random.default_rng(seed)
@@ -34,7 +46,7 @@ def test_pack_round_trip(bits, n, batch, seed):
   np.testing.assert_array_equal(np.asarray(packing.unpack(words, bits, n)), fields)
 
 
-@given(n=st.integers(1, 200), seed=st.integers(0, 2**31 - 1))
+@given(n=st.sampled_from(SIZES), seed=st.integers(0, 2**31 - 1))
 def test_pack_signs_round_trip(n, seed):
   x = np.random.default_rng(seed).normal(size=n).astype(np.float32)
   x[::7] = 0.0  # zero counts as non-negative
@@ -63,6 +75,7 @@ def test_unpack_rejects_non_uint8_words():
 # ----------------------------------------------------------------------------- bytes of every method
 
 
+@pytest.mark.slow
 def test_every_method_sends_its_nominal_bytes():
   """All of METHODS at defaults: measured HLO bytes of the pmap step == wire_bytes."""
   params = params_tree()
@@ -133,7 +146,12 @@ def test_topk_options_send_their_nominal_bytes():
   for kw in ({}, {"positions": "global"}, {"values": "float16"}, {"selection": "chunked"},
              {"selection": "chunked", "block": 200, "values": "bfloat16"}):
     tx = jaxcomp.topk(ratio=0.01, axis_name=AXIS, **kw)
-    assert pmap_wire_bytes(tx, params)["total"] == jaxcomp.wire_bytes(tx, params), kw
+    expect = jaxcomp.wire_bytes(tx, params)
+    if kw.get("values") == "bfloat16" and jax.default_backend() == "cpu":
+      # XLA:CPU promotes bf16 all-gathers to f32 too: the program moves what float32 values would.
+      expect = jaxcomp.wire_bytes(jaxcomp.topk(ratio=0.01, axis_name=AXIS, **{**kw, "values": "float32"}),
+                                  params)
+    assert pmap_wire_bytes(tx, params)["total"] == expect, kw
 
 
 # ----------------------------------------------------------------------------- compact positions
@@ -199,7 +217,7 @@ def test_topk_options_under_pmap_are_the_mean_of_the_workers_selections(kw):
   grads = worker_grads(params)
   out, _ = run_pmap(tx, grads, init_stacked(tx, params))
   assert_replicas_equal(out)
-  sent = [jax.jit(local.update)(jax.tree.map(lambda g: g[w], grads), local.init(params))[0] for w in range(N)]
+  sent = [jax.jit(local.update)(jax.tree.map(lambda g, w=w: g[w], grads), local.init(params))[0] for w in range(N)]
   expect = jax.tree.map(lambda *s: np.mean(np.stack(s), axis=0), *sent)
   assert_trees_close(jax.tree.map(lambda o: o[0], out), expect, rtol=1e-6, atol=1e-6)
 

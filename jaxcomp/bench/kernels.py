@@ -31,10 +31,10 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 # Ratio of each method's time to a memory copy of the same data (issue 5).
-TARGETS: Dict[str, float] = {
+TARGETS: dict[str, float] = {
     "fp16": 3, "bf16": 3,
     "signsgd": 6, "efsignsgd": 6, "signum": 6, "onebit": 6,
     "qsgd": 20, "terngrad": 20, "natural": 20,
@@ -44,19 +44,19 @@ TARGETS: Dict[str, float] = {
 # Settings under which the targets are stated: ratio 0.01 for the sparsifiers,
 # rank 4 for the low-rank methods. threshold has no ratio: v = 2.5758 passes
 # 1% of the N(0, 1) test gradients, with slots for 1.25%.
-TARGET_KWARGS: Dict[str, dict] = {
+TARGET_KWARGS: dict[str, dict] = {
     "topk": {"ratio": 0.01}, "dgc": {"ratio": 0.01}, "redsync": {"ratio": 0.01},
     "threshold": {"v": 2.5758, "capacity": 0.0125},
     "powersgd": {"rank": 4}, "acpsgd": {"rank": 4},
 }
 # Extra rows: options of the methods that this benchmark tracks too.
-VARIANTS: Dict[str, Tuple[str, dict]] = {
+VARIANTS: dict[str, tuple[str, dict]] = {
     "topk[chunked]": ("topk", {"ratio": 0.01, "selection": "chunked"}),
 }
 MEMORY_TARGET = 2.0  # compressed step temp bytes / dense step temp bytes
 
 
-def method_kwargs(name: str, factory: Callable, extra: Optional[dict] = None) -> dict:
+def method_kwargs(name: str, factory: Callable, extra: dict | None = None) -> dict:
   """The target settings of ``name`` (and ``extra``) that ``factory`` accepts."""
   kwargs = dict(TARGET_KWARGS.get(name, {}))
   kwargs.update(extra or {})
@@ -64,7 +64,7 @@ def method_kwargs(name: str, factory: Callable, extra: Optional[dict] = None) ->
   return {k: v for k, v in kwargs.items() if k in params}
 
 
-def rows(methods: Optional[Sequence[str]] = None, variants: bool = True) -> List[Tuple[str, str, dict]]:
+def rows(methods: Sequence[str] | None = None, variants: bool = True) -> list[tuple[str, str, dict]]:
   """``(label, method name, kwargs)`` for every method of ``jaxcomp.METHODS`` (+ variants)."""
   import jaxcomp
 
@@ -121,7 +121,7 @@ def time_update(tx, grads, reps: int) -> float:
   return statistics.median(times)
 
 
-def step_memory(tx, shapes, workers: int = 8) -> Dict[str, int]:
+def step_memory(tx, shapes, workers: int = 8) -> dict[str, int]:
   """Memory stats of the compiled pmap step (state donated) over ``workers`` CPU devices."""
   import jax
 
@@ -129,7 +129,7 @@ def step_memory(tx, shapes, workers: int = 8) -> Dict[str, int]:
 
   params = shp.abstract(shapes)
   state = jax.eval_shape(tx.init, params)
-  lead = lambda s: jax.ShapeDtypeStruct((workers,) + tuple(s.shape), s.dtype)  # noqa: E731
+  lead = lambda s: jax.ShapeDtypeStruct((workers,) + tuple(s.shape), s.dtype)
   step = jax.pmap(lambda g, s: tx.update(g, s), axis_name="data", donate_argnums=(1,),
                   devices=jax.devices()[:workers])
   compiled = step.lower(shp.abstract(shapes, lead=(workers,)), jax.tree.map(lead, state)).compile()
@@ -155,8 +155,9 @@ def header(command: str) -> str:
           f" ({jax.default_backend()}, {jax.device_count()} devices)\ncommand: {command}")
 
 
-def run_case(label: str, grads, entries, reps: int, out=sys.stdout) -> List[dict]:
+def run_case(label: str, grads, entries, reps: int, out=sys.stdout) -> list[dict]:
   import jax
+
   import jaxcomp
 
   nvalues = sum(int(g.size) for g in jax.tree.leaves(grads))
@@ -170,7 +171,7 @@ def run_case(label: str, grads, entries, reps: int, out=sys.stdout) -> List[dict
     try:
       tx = jaxcomp.METHODS[base](axis_name=None, **kwargs)
       t = time_update(tx, grads, reps)
-    except Exception as e:  # a method that cannot run here is reported, not fatal
+    except Exception as e:  # noqa: BLE001 - a method that cannot run here is reported, not fatal
       print(f"{name:<15} {_kw_text(kwargs):<28} failed: {type(e).__name__}: {str(e)[:80]}", file=out)
       results.append({"method": name, "case": label, "error": repr(e)})
       continue
@@ -184,7 +185,7 @@ def run_case(label: str, grads, entries, reps: int, out=sys.stdout) -> List[dict
   return results
 
 
-def run_memory(label: str, shapes, entries, workers: int = 8, out=sys.stdout) -> List[dict]:
+def run_memory(label: str, shapes, entries, workers: int = 8, out=sys.stdout) -> list[dict]:
   import jaxcomp
 
   print(f"\n== memory: compiled pmap step over {workers} CPU devices, {label}, state donated ==", file=out)
@@ -194,7 +195,7 @@ def run_memory(label: str, shapes, entries, workers: int = 8, out=sys.stdout) ->
   for name, base, kwargs in entries:
     try:
       m = step_memory(jaxcomp.METHODS[base](axis_name="data", **kwargs), shapes, workers)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - reported in the table
       print(f"{name:<15} failed: {type(e).__name__}: {str(e)[:80]}", file=out)
       results.append({"method": name, "error": repr(e)})
       continue

@@ -37,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 DEFAULT_METHODS = ("none", "fp16", "powersgd", "acpsgd", "topk", "topk[chunked]", "randomk",
                    "signsgd", "qsgd", "dgc")
@@ -45,15 +45,15 @@ DEFAULT_METHODS = ("none", "fp16", "powersgd", "acpsgd", "topk", "topk[chunked]"
 # Compute time per step (forward + backward) on one V100, seconds, with where it comes from.
 RESNET50_V100_S = 112 / 367
 BERT_LARGE_V100_S = 32 / 46.78
-COMPUTE: Dict[str, Tuple[float, str]] = {
+COMPUTE: dict[str, tuple[float, str]] = {
     "resnet50": (RESNET50_V100_S,
-                 "112 images / 367 img/s: NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5,"
-                 " 1x V100 16GB, FP32, batch 112 (README 'Training performance: NVIDIA DGX-1"
-                 " 16GB', configs.yml)"),
+                 ("112 images / 367 img/s: NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5,"
+                  " 1x V100 16GB, FP32, batch 112 (README 'Training performance: NVIDIA DGX-1"
+                  " 16GB', configs.yml)")),
     "bert-base": (BERT_LARGE_V100_S * 109_482_240 / 335_141_888,
-                  "estimate: BERT-large's 32 seqs / 46.78 seq/s (NVIDIA DeepLearningExamples,"
-                  " TensorFlow BERT README, pre-training seq 128, 1x V100 32GB, FP32, batch 32)"
-                  " x 109.5M / 335.1M parameters (compute per token ~ parameters)"),
+                  ("estimate: BERT-large's 32 seqs / 46.78 seq/s (NVIDIA DeepLearningExamples,"
+                   " TensorFlow BERT README, pre-training seq 128, 1x V100 32GB, FP32, batch 32)"
+                   " x 109.5M / 335.1M parameters (compute per token ~ parameters)")),
 }
 DEVICE_GBS = 900.0  # V100 HBM2 peak memory bandwidth, GB/s (NVIDIA V100 datasheet)
 LABELS = {"resnet50": "ResNet-50", "bert-base": "BERT-base"}
@@ -82,7 +82,7 @@ def _cache_key(*parts) -> str:
 class Cache:
   """A JSON dict on disk; ``get(key, fn)`` computes and stores missing entries."""
 
-  def __init__(self, path: Optional[str], refresh: bool = False):
+  def __init__(self, path: str | None, refresh: bool = False):
     self.path, self.refresh, self.hits = path, refresh, 0
     self.data: dict = {}
     if path and os.path.exists(path) and not refresh:
@@ -144,7 +144,7 @@ def measure_traffic(factory, kwargs: dict, parts, workers: int = 8) -> dict:
   from jaxcomp.bench import shapes as shp
 
   tx = factory(axis_name="data", **kwargs)
-  lead = lambda s: jax.ShapeDtypeStruct((workers,) + tuple(s.shape), s.dtype)  # noqa: E731
+  lead = lambda s: jax.ShapeDtypeStruct((workers,) + tuple(s.shape), s.dtype)
   step = jax.pmap(lambda g, s: tx.update(g, s), axis_name="data", devices=jax.devices()[:workers])
   entries, flag_seen = [], False
   for part in parts:
@@ -180,7 +180,7 @@ def measure_round_trip(factory, kwargs: dict, parts, reps: int) -> dict:
   return {"seconds": total, "copy_seconds": copy}
 
 
-def measure_decode(factory, kwargs: dict, parts, reps: int, workers: int = 4) -> Optional[float]:
+def measure_decode(factory, kwargs: dict, parts, reps: int, workers: int = 4) -> float | None:
   """Seconds one worker spends decoding one more worker's payload (gathered methods).
 
   The step is vmapped over 1 and ``workers`` simulated workers with the axis
@@ -230,7 +230,7 @@ def measure_decode(factory, kwargs: dict, parts, reps: int, workers: int = 4) ->
 # The table
 
 
-def _entries(methods: Optional[Sequence[str]]):
+def _entries(methods: Sequence[str] | None):
   import jaxcomp
   from jaxcomp.bench.kernels import VARIANTS
 
@@ -321,20 +321,20 @@ def main(argv=None) -> None:
         + " step = compute + compression + communication (no overlap) or forward + compression +"
         " max(backward, communication) (overlap; backward = 2/3 of compute).")
 
-  measured: Dict[str, Dict[str, dict]] = {}
+  measured: dict[str, dict[str, dict]] = {}
   for model in models:
     parts = split(shp.MODELS[model](), args.whole)
     how = "whole" if args.whole else "by-shape"
     measured[model] = {}
     for label, factory, kw in entries:
       rec = {"traffic": cache.get(_cache_key("traffic", model, how, label, kw),
-                                  lambda: measure_traffic(factory, kw, parts))}
+                                  lambda f=factory, k=kw, p=parts: measure_traffic(f, k, p))}
       if args.compress != "zero":
         rec["round_trip"] = cache.get(_cache_key("round_trip", model, how, label, kw, args.reps),
-                                      lambda: measure_round_trip(factory, kw, parts, args.reps))
+                                      lambda f=factory, k=kw, p=parts: measure_round_trip(f, k, p, args.reps))
         if rec["traffic"]["totals"]["all-gather"] > 0 and not args.quick:
           rec["decode"] = cache.get(_cache_key("decode", model, how, label, kw, args.reps),
-                                    lambda: measure_decode(factory, kw, parts, args.reps))
+                                    lambda f=factory, k=kw, p=parts: measure_decode(f, k, p, args.reps))
       measured[model][label] = rec
       print(f"# measured {model} {label}", file=sys.stderr, flush=True)
     jax.clear_caches()
@@ -342,7 +342,7 @@ def main(argv=None) -> None:
   for model in models:
     shapes = shp.MODELS[model]()
     nvalues = shp.count(shapes)
-    dense = measured[model]["none"] if "none" in measured[model] else None
+    dense = measured[model].get("none")
     none_rt = dense["round_trip"] if dense and "round_trip" in dense else None
     print(f"\n=== {LABELS.get(model, model)}: {len(shapes)} gradients, {nvalues:,} values"
           f" ({4 * nvalues / 1e6:.1f} MB in float32); compute {compute[model] * 1e3:.0f} ms/step"

@@ -8,16 +8,16 @@ with random data.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Shape = Tuple[int, ...]
+Shape = tuple[int, ...]
 
 
-def resnet50_shapes(num_classes: int = 1000) -> List[Shape]:
+def resnet50_shapes(num_classes: int = 1000) -> list[Shape]:
   """The 161 trainable tensors of ResNet-50 (v1.5, torchvision layout), in order.
 
   conv1 7x7/64 + BN; four stages of bottleneck blocks (3, 4, 6, 3 blocks,
@@ -26,7 +26,7 @@ def resnet50_shapes(num_classes: int = 1000) -> List[Shape]:
   stage has a 1x1 projection conv + BN; then the fc layer (kernel and bias).
   53 convs + 53 x 2 BN vectors + 2 = 161 tensors, 25,557,032 values.
   """
-  shapes: List[Shape] = []
+  shapes: list[Shape] = []
 
   def conv_bn(k, cin, cout):
     shapes.extend([(k, k, cin, cout), (cout,), (cout,)])
@@ -46,7 +46,7 @@ def resnet50_shapes(num_classes: int = 1000) -> List[Shape]:
 
 
 def bert_shapes(layers: int, hidden: int, vocab: int = 30522, max_positions: int = 512,
-                type_vocab: int = 2, intermediate: int | None = None, pooler: bool = True) -> List[Shape]:
+                type_vocab: int = 2, intermediate: int | None = None, pooler: bool = True) -> list[Shape]:
   """The trainable tensors of a BERT encoder (embeddings, ``layers`` blocks, pooler).
 
   Embeddings: word, position and token-type tables and a LayerNorm. Each
@@ -56,7 +56,7 @@ def bert_shapes(layers: int, hidden: int, vocab: int = 30522, max_positions: int
   """
   inter = 4 * hidden if intermediate is None else intermediate
   h = hidden
-  shapes: List[Shape] = [(vocab, h), (max_positions, h), (type_vocab, h), (h,), (h,)]
+  shapes: list[Shape] = [(vocab, h), (max_positions, h), (type_vocab, h), (h,), (h,)]
   for _ in range(layers):
     for _ in range(4):  # query, key, value, attention output
       shapes.extend([(h, h), (h,)])
@@ -67,12 +67,12 @@ def bert_shapes(layers: int, hidden: int, vocab: int = 30522, max_positions: int
   return shapes
 
 
-def bert_base_shapes() -> List[Shape]:
+def bert_base_shapes() -> list[Shape]:
   """BERT-base (12 layers, hidden 768, 12 heads, uncased vocab 30522): 199 tensors, 109,482,240 values."""
   return bert_shapes(12, 768)
 
 
-def bert_large_shapes() -> List[Shape]:
+def bert_large_shapes() -> list[Shape]:
   """BERT-large (24 layers, hidden 1024): 391 tensors, 335,141,888 values."""
   return bert_shapes(24, 1024)
 
@@ -82,7 +82,7 @@ def count(shapes: Sequence[Shape]) -> int:
   return int(sum(np.prod(s, dtype=np.int64) for s in shapes))
 
 
-def abstract(shapes: Sequence[Shape], dtype=jnp.float32, lead: Tuple[int, ...] = ()) -> list:
+def abstract(shapes: Sequence[Shape], dtype=jnp.float32, lead: tuple[int, ...] = ()) -> list:
   """``jax.ShapeDtypeStruct`` leaves (a list pytree), with optional leading axes."""
   return [jax.ShapeDtypeStruct(tuple(lead) + tuple(s), dtype) for s in shapes]
 

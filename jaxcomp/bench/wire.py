@@ -28,7 +28,7 @@ def main(argv=None) -> None:
   grads = jax.tree.map(lambda x: jnp.ones((args.workers,) + x.shape, x.dtype), params)
   print(f"{n} gradient elements (1024x1024 + 3x3x64x64 + 1024), {args.workers} workers, backend"
         f" {jax.default_backend()}")
-  print(f"| method | nominal bytes | measured bytes | bits/element | collectives |")
+  print("| method | nominal bytes | measured bytes | bits/element | collectives |")
   print("|---|---:|---:|---:|---|")
   for name in names:
     tx = jaxcomp.METHODS[name](axis_name="data")

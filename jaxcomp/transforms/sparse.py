@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -164,7 +163,7 @@ class ChunkedTopKCodec(Codec):
 
 def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
          selection: str = "exact", positions: str = "chunk16", values: str = "float32",
-         block: Optional[int] = None):
+         block: int | None = None):
   """Top-k sparsification with error feedback (all-gather of values + positions).
 
   Each leaf (flattened, n entries) keeps its entries of largest magnitude;
