@@ -14,10 +14,13 @@ of a template (``like``), so a fresh process can continue bit for bit::
   jaxcomp.checkpoint.save(f"{ckpt}/{step}", (params, state))
 
 orbax writes into a temporary directory and renames it when complete, so a
-process killed while saving leaves no partial checkpoint under ``path``.
-Every process of a ``jax.distributed`` job must call :func:`save` and
-:func:`restore` (sharded arrays are written shard by shard); host-local
-arrays (numpy, or a pmap's per-process devices) are written by process 0.
+process killed while saving leaves no partial checkpoint under ``path``
+(:func:`latest_step` skips it). In a ``jax.distributed`` job every process
+must call :func:`save` and :func:`restore`; keep per-worker state in global
+``jax.Array``s (shard_map's ``per_worker(..., mesh, axis)``) so that each
+process writes its own shards: numpy leaves are written once, by process 0,
+and must be the same on every process. (Tested here in one process, under
+pmap and shard_map.)
 """
 
 from __future__ import annotations

@@ -326,18 +326,21 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
     the axis of what the workers sent, identical on every worker.
 
   Non-finite steps: if any worker's gradient (after error-feedback
-  compensation) holds a NaN or Inf, the output is non-finite on every worker,
-  so that a guard such as ``optax.apply_if_finite`` skips the step on all
-  replicas together: every entry is NaN, except for the methods whose
-  exchanges all psum the float values (none, fp16, bf16), where the NaN/Inf
-  is where ``lax.pmean`` would put it. Such a step counts nothing as sent:
-  the residual keeps every finite value of its input (non-finite entries are
-  reset to 0) and the exchanges' state (PowerSGD's Q) is left as it was; the
-  next step is finite again. Codecs lose NaNs (a sign bit, an unsampled
-  position), so each worker's ``sum(x * 0)`` (0, or NaN) is all-reduced as
-  one float32: 4 bytes, counted by :func:`wire_bytes`, and one pass over the
-  gradients. A flag inside the payloads would need every exchange to carry
-  it and still cost bytes (packed sign payloads have no spare bit).
+  compensation) holds a NaN or Inf, every entry of the output is NaN on every
+  worker, so that a guard such as ``optax.apply_if_finite`` skips the step on
+  all replicas together. Such a step counts nothing as sent: the residual
+  keeps every finite value of its input (non-finite entries are reset to 0)
+  and the exchanges' state (PowerSGD's Q) is left as it was; the next step
+  is finite again. Codecs lose NaNs (a sign bit, an unsampled position), so
+  each worker's ``sum(x * 0)`` (0, or NaN; it cannot overflow) is
+  all-reduced as one float32: 4 bytes, counted by :func:`wire_bytes`, and one
+  pass over the gradients. A flag inside the payloads would need every
+  exchange to carry it and still cost bytes (packed sign payloads have no
+  spare bit). Exchanges that carry NaN/Inf into the mean themselves
+  (``carries_nonfinite``: the float psums, SBC's NaN header) need no flag;
+  with no state to protect either (none, fp16 and bf16 without error
+  feedback) the output is left exactly as ``lax.pmean`` gives it, NaN/Inf
+  where the mean has them, at no cost.
   """
   axis_name = check_axis_name(axis_name)
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
@@ -403,12 +406,14 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
         local[i] = loc[j].reshape(leaves[i].shape)
     out = jax.tree.leaves(method.memory.output(treedef.unflatten(mean)))
     out = [o.astype(leaf.dtype) for o, leaf in zip(out, leaves)]
-    if plan:
-      if all(ex.carries_nonfinite for ex, _, _ in plan):  # the psum put it in ``out`` already
+    carried = all(ex.carries_nonfinite for ex, _, _ in plan)
+    stateless = not jax.tree.leaves((state.memory, state.extra))
+    if plan and not (carried and stateless):  # else: exactly the exchanges' mean (lax.pmean)
+      if carried:  # the exchanges put any NaN/Inf into ``out``
         bad = jnp.isnan(_nan_if_nonfinite(out))
       else:
         bad = jnp.isnan(ops.allreduce_sum(_nan_if_nonfinite(x), axis))
-        out = [jnp.where(bad, jnp.nan, o).astype(o.dtype) for o in out]
+      out = [jnp.where(bad, jnp.nan, o).astype(o.dtype) for o in out]
       local = [jnp.where(bad, 0.0, s) for s in local]
       extra = [jax.tree.map(lambda new, old: jnp.where(bad, old, new), e, e0)
                for e, e0 in zip(extra, state.extra)]
