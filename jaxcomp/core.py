@@ -245,6 +245,9 @@ def flat_route(exchange: Exchange) -> Callable:
 # The method and the builder
 
 
+STACK_MAX = 1 << 16  # leaves with more entries than this are not stacked, see Method.plan
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
   """A compression method: its name, how leaves are routed, and its memory.
@@ -259,14 +262,22 @@ class Method:
   fused: FusedExchange | None = None
 
   def plan(self, leaves: Sequence[Any]):
-    """Groups leaf indices by (exchange, view); empty leaves are skipped."""
+    """Groups leaf indices by (exchange, view); empty leaves are skipped.
+
+    Leaves of more than :data:`STACK_MAX` entries form a group of their own:
+    stacking copies them (several times the kernel's own cost on CPU), while
+    one kernel per large leaf costs little to compile. Smaller leaves of the
+    same view share one batched kernel, so the program grows with distinct
+    small shapes, not with leaves.
+    """
     groups: dict = {}
     for i, leaf in enumerate(leaves):
-      if np.prod(leaf.shape, dtype=np.int64) == 0:
+      size = int(np.prod(leaf.shape, dtype=np.int64))
+      if size == 0:
         continue
       exchange, view = self.route(tuple(leaf.shape))
-      groups.setdefault((exchange, tuple(view)), []).append(i)
-    return [(ex, view, idx) for (ex, view), idx in groups.items()]
+      groups.setdefault((exchange, tuple(view), i if size > STACK_MAX else -1), []).append(i)
+    return [(ex, view, idx) for (ex, view, _), idx in groups.items()]
 
   def wire_bytes(self, params: Any, nonfinite_flag: bool = True) -> int:
     """Nominal bytes one worker hands to collectives per step for ``params``.

@@ -80,6 +80,21 @@ def test_topk_matches_numpy_with_error_feedback():
     assert_trees_close(jax.tree.map(lambda o: o[0], outs[step]), expect, rtol=1e-5, atol=1e-6)
 
 
+def test_topk_of_a_long_leaf_matches_numpy_with_ties():
+  """Past sparse.TRIMMED_MIN entries the exact top-k comes from the trimmed search: same set."""
+  n = sparse.TRIMMED_MIN * 2 + 3
+  x = np.array(jax.random.normal(jax.random.PRNGKey(5), (n,)), np.float32)
+  x[1000:2400] = x[:200] = 4.5  # 1600 ties at the top, k = 1311: the lower indices go first
+  tx = jaxcomp.topk(ratio=0.01)
+  out, state = jax.jit(tx.update)({"w": jnp.asarray(x)}, tx.init({"w": jnp.zeros(n)}))
+  k = int(np.ceil(0.01 * n))
+  idx = np.argsort(-np.abs(x), kind="stable")[:k]
+  sent = np.zeros_like(x)
+  sent[idx] = x[idx]
+  np.testing.assert_array_equal(np.asarray(out["w"]), sent)
+  np.testing.assert_array_equal(np.asarray(state.memory["w"]), x - sent)
+
+
 def test_signsgd_is_the_majority_vote():
   params = params_tree()
   outs, _ = _run_steps(jaxcomp.signsgd(axis_name=AXIS), params, 1)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp import rng
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
@@ -35,7 +36,7 @@ class QSGDCodec(Codec):
     norm = jnp.linalg.norm(x)
     safe = jnp.where(norm > 0, norm, 1.0)
     scaled = jnp.abs(x) / safe * s
-    level = jnp.floor(scaled + jax.random.uniform(key, x.shape, jnp.float32))
+    level = jnp.floor(scaled + rng.uniform(key, x.shape))
     level = jnp.clip(level, 0, s)  # u < 1 and scaled <= s, the clip only guards rounding
     q = jnp.sign(x) * level + s    # in [0, 2s]
     return norm, packing.pack(q.astype(jnp.uint8), level_bits(s))
@@ -55,7 +56,8 @@ def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = F
   norm plus one field per entry packed in 2 bits (s = 1), 4 bits (s <= 7) or
   8 bits (s <= 127). Norms differ between workers, so payloads are
   all-gathered and each worker decodes and averages them. Each worker rounds
-  with its own key (the shared key folded with its index).
+  with its own key (the shared key folded with its index); the
+  uniforms come from :mod:`jaxcomp.rng`, a counter hash fused into the kernel.
 
   Args:
     levels: s in [1, 127]; GRACE's default 127 (its benchmarks use 64).
@@ -93,7 +95,7 @@ class TernGradCodec(Codec):
   def encode(self, x, key):
     x = self.clip(x)
     scale = jnp.max(jnp.abs(x))
-    u = jax.random.uniform(key, x.shape, jnp.float32)
+    u = rng.uniform(key, x.shape)
     keep = u * scale < jnp.abs(x)
     q = jnp.where(keep, jnp.sign(x), 0.0) + 1.0  # {-1, 0, 1} -> {0, 1, 2}
     return scale, packing.pack(q.astype(jnp.uint8), 2)
@@ -115,7 +117,8 @@ def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
   2 bits per element plus 32 bits per leaf. Scales are local, so payloads are
   all-gathered and every worker decodes and averages all of them (TernGrad's
   optional scale sharing, a max-allreduce of the scales first, is not done).
-  Each worker draws its Bernoulli variables with its own key.
+  Each worker draws its Bernoulli variables with its own key
+  (:mod:`jaxcomp.rng`).
 
   ``sigma`` is measured around zero (the root mean square of the leaf); the
   paper's standard deviation is the same for zero-mean gradients, and this
@@ -168,14 +171,16 @@ class NaturalCodec(Codec):
     return 2 ** (self.bits - 1) - 1
 
   def encode(self, x, key):
-    k_up, k_low = jax.random.split(key)
+    # One draw per entry: entries at or above the lowest level use its top 23
+    # bits to round the mantissa, those below use it as a uniform; never both.
+    h = rng.bits(key, x.shape)
     b = lax.bitcast_convert_type(x, jnp.uint32)
     sign = b >> 31
     e = ((b >> 23) & 0xFF).astype(jnp.int32)
     m = b & _MANTISSA
     finite = e < 255
     # |x| = 2**(e-127) * (1 + m / 2**23) rounds up to 2**(e-126) with probability m / 2**23.
-    up = m > (jax.random.bits(k_up, x.shape, jnp.uint32) >> 9)
+    up = m > (h >> 9)
     e1 = jnp.where(e == 0, 0, jnp.where(finite, e + up.astype(jnp.int32), 255))
     top = jnp.max(e1)
     low = jnp.maximum(top - self.levels + 1, 1)
@@ -183,7 +188,7 @@ class NaturalCodec(Codec):
     d = e - low
     frac = (1.0 + m.astype(jnp.float32) * 2.0 ** -23) * _pow2(jnp.clip(d, -126, 0) + 127)
     p = jnp.where(d >= -126, frac, 0.0)
-    under_up = jax.random.uniform(k_low, x.shape, jnp.float32) < p
+    under_up = (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24) < p
     e2 = jnp.where(e >= low, e1, jnp.where((e >= 1) & under_up, low, 0))
     code = jnp.where(e2 == 0, 0, top + 1 - e2)
     field = jnp.where(code > 0, code.astype(jnp.uint32) | (sign << (self.bits - 1)), 0)

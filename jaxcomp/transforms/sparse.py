@@ -3,7 +3,8 @@
 Top-k has two selections and two position codes:
 
 - ``selection="exact"`` (default): the ``k = ceil(ratio * n)`` entries of
-  largest magnitude of each leaf (``lax.top_k``, no sort of the vector).
+  largest magnitude of each leaf (``lax.top_k``; past 65536 entries RedSync's
+  trimmed top-k, which finds the same entries several times faster).
 - ``selection="chunked"``: the ``ceil(ratio * b)`` largest of every block of
   ``b`` consecutive entries. About the same number of entries, not the same
   set; several times faster on CPU (no global top-k), and each position is an
@@ -29,9 +30,10 @@ from jax import lax
 
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
-from jaxcomp.transforms import _args
+from jaxcomp.transforms import _args, selection
 
 CHUNK = 65536  # entries per chunk of the "chunk16" position code
+TRIMMED_MIN = 65536  # longer leaves select their exact top-k by RedSync's trimmed top-k
 SELECTIONS = ("exact", "chunked")
 POSITIONS = ("chunk16", "global")
 VALUE_DTYPES = ("float32", "float16", "bfloat16")
@@ -104,7 +106,15 @@ class TopKCodec(Codec):
 
   def encode(self, x, key):
     n = x.shape[0]
-    _, idx = lax.top_k(jnp.abs(x), _args.count(self.ratio, n))
+    k = _args.count(self.ratio, n)
+    if n > TRIMMED_MIN:
+      # The same k entries as lax.top_k (ties to lower indices) without its
+      # sort: several times faster on long vectors. Slots past the count
+      # (only when fewer than k entries are not NaN, a step the builder
+      # discards) hold n.
+      idx = selection.trimmed_topk(x, k).indices
+    else:
+      _, idx = lax.top_k(jnp.abs(x), k)
     if not self._chunked(n):
       return x[idx].astype(self.values), idx.astype(_args.index_dtype(n))
     idx = jnp.sort(idx)
