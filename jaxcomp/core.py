@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import Axis, AxisName, check_axis_name, current_axis
@@ -148,9 +149,21 @@ class Codec:
     raise NotImplementedError
 
   def aggregate(self, gathered: Any, key: jax.Array, n: int, num: int) -> jax.Array:
-    """Mean over the leading (worker) axis of ``gathered`` payloads."""
-    dec = jax.vmap(lambda p: self.decode(p, key, n))(gathered)
-    return jnp.mean(dec, axis=0)
+    """Mean over the leading (worker) axis of ``gathered`` payloads.
+
+    Decoded and accumulated one worker at a time, in worker order (the same
+    float result on every worker): no ``N x n`` array of decoded payloads.
+    """
+    workers = jax.tree.leaves(gathered)[0].shape[0]
+
+    def decoded(w):
+      payload = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, w, keepdims=False), gathered)
+      return self.decode(payload, key, n).astype(jnp.float32)
+
+    # Starting from worker 0's decode keeps the carry's type (shard_map's
+    # varying-ness included) that of the body's.
+    total = lax.fori_loop(1, workers, lambda w, acc: acc + decoded(w), decoded(0))
+    return total / num
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,7 +111,7 @@ def test_nominal_payload_bytes(name, factory, expected):
 def test_small_leaves_pay_for_what_they_hold():
   # SketchML never sends more means than entries; every method sends something per leaf.
   params = {"one": jnp.zeros(()), "ten": jnp.zeros((10,))}
-  assert jaxcomp.wire_bytes(jaxcomp.sketchml(), params) == (4 + 1) + (40 + 5)  # 10 buckets: 4 bits
+  assert jaxcomp.wire_bytes(jaxcomp.sketchml(), params) == 4 + (40 + 5)  # 1 bucket: the mean alone; 10: 4 bits
   assert jaxcomp.wire_bytes(jaxcomp.inceptionn(capacity=0.01), params) == (1 + 1) + (3 + 1)
 
 

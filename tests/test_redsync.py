@@ -124,6 +124,22 @@ def test_mask_words_and_compact_match_numpy():
   np.testing.assert_array_equal(np.asarray(idx)[ref.size:], 1000)
 
 
+@given(n=st.sampled_from([1, 31, 32, 33, 1000, 4099]), density=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+       capacity=st.sampled_from([1, 7, 64]), first=st.integers(0, 200), seed=st.integers(0, 3))
+def test_circular_compaction_matches_numpy(n, density, capacity, first, seed):
+  """threshold / DGC compaction: the first set bits in circular order from a word boundary."""
+  mask = np.random.default_rng(seed).random(n) < density
+  words = selection.pack_mask(jnp.asarray(mask))
+  np.testing.assert_array_equal(np.asarray(words), np.asarray(selection.mask_words(jnp.asarray(mask, jnp.float32), 0.5)))
+  idx, count = jax.jit(selection.compact_from_word, static_argnums=1)(words, capacity, jnp.int32(first))
+  w0 = first % words.shape[0] * 32
+  order = np.concatenate([np.arange(w0, n), np.arange(0, w0)])
+  ref = order[mask[order]][:capacity]
+  assert int(count) == ref.size
+  np.testing.assert_array_equal(np.asarray(idx)[:ref.size], ref)
+  np.testing.assert_array_equal(np.asarray(idx)[ref.size:], 0)
+
+
 def test_selection_arguments_are_checked():
   x = jnp.zeros((10,))
   with pytest.raises(ValueError, match="k must be an int in"):

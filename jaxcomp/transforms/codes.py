@@ -46,7 +46,7 @@ class SketchCodec(Codec):
   """Payload: ``q`` float32 bucket means and one packed bucket index per entry.
 
   ``q = min(buckets, n)``; indices take 1, 2, 4 or 8 bits (the narrowest that
-  holds q codes).
+  holds q codes), none when q = 1.
   """
 
   buckets: int
@@ -70,10 +70,14 @@ class SketchCodec(Codec):
     sums = jax.ops.segment_sum(x, idx, q)
     counts = jax.ops.segment_sum(jnp.ones_like(x), idx, q)
     means = jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), 0.0)
+    if q == 1:  # one bucket: the index carries nothing, send the mean alone
+      return means, jnp.zeros((0,), jnp.uint8)
     return means, packing.pack(idx.astype(jnp.uint8), field_bits(q))
 
   def decode(self, payload, key, n):
     means, words = payload
+    if self.num_buckets(n) == 1:
+      return jnp.broadcast_to(means[0], (n,))
     idx = packing.unpack(words, field_bits(self.num_buckets(n)), n)
     return means[idx.astype(jnp.int32)]
 

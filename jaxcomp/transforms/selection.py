@@ -107,6 +107,31 @@ def mask_words(x: jax.Array, threshold: jax.Array) -> jax.Array:
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
+def pack_mask(mask: jax.Array) -> jax.Array:
+  """Packs a 1-D bool ``mask`` into uint32 words, bit ``i % 32`` of word ``i // 32``."""
+  rows, tail = _rows(mask)
+  shifts = jnp.arange(_WORD, dtype=jnp.uint32)
+  parts = [_pack(rows, shifts)] if rows.size else []
+  if tail.size:
+    parts.append(_pack(tail, shifts[:tail.size])[None])
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def compact_from_word(words: jax.Array, capacity: int, first_word: jax.Array):
+  """The first ``capacity`` set bits of ``words`` in circular order from word ``first_word``.
+
+  Returns ``(indices, count)``: int32 ``(capacity,)`` positions (0 in unused
+  slots) and ``min(set bits, capacity)``. Only the ``ceil(n / 32)`` words are
+  rotated and scanned; nothing of size n is scattered.
+  """
+  nw = words.shape[0]
+  first_word = first_word.astype(jnp.int32) % nw
+  rotated = jnp.roll(words, -first_word)
+  idx, count = compact(rotated, nw * _WORD, capacity)
+  row = (idx // _WORD + first_word) % nw
+  return jnp.where(idx < nw * _WORD, row * _WORD + idx % _WORD, 0), count
+
+
 def _popcount(words):
   return lax.population_count(words).astype(jnp.int32)
 

@@ -144,12 +144,6 @@ class OneBitCodec(Codec):
     means, words = payload
     return jnp.where(packing.unpack(words, 1, n) == 1, means[1], means[0])
 
-  def aggregate(self, gathered, key, n, num):
-    def body(w, acc):
-      return acc + self.decode((gathered[0][w], gathered[1][w]), key, n)
-
-    return lax.fori_loop(0, gathered[1].shape[0], body, jnp.zeros((n,), jnp.float32)) / num
-
 
 def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0):
   """1-bit SGD: one sign bit per entry and two reconstruction values, with error feedback.

@@ -21,7 +21,7 @@ from jax import lax
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
-from jaxcomp.transforms import _args
+from jaxcomp.transforms import _args, selection
 from jaxcomp.transforms.sparse import scatter_mean
 
 MIN_SAMPLE = 128  # a leaf this small is its own sample: its threshold is exact
@@ -51,16 +51,15 @@ def exclusive_rank(mask: jax.Array):
 def select(mask: jax.Array, capacity: int, start: jax.Array):
   """Compacts ``mask`` into at most ``capacity`` positions, in circular order from ``start``.
 
-  Returns ``(indices int32[capacity], count int32)``. When more than
-  ``capacity`` entries are selected, the ones sent are the first in circular
-  order from ``start`` (a random offset each step), so no region of the vector
-  is starved when the capacity is too small.
+  Returns ``(indices int32[capacity], count int32)``; unused slots hold 0.
+  When more than ``capacity`` entries are selected, the ones sent are the
+  first in circular order from the 32-entry word holding ``start`` (a random
+  offset each step), so no region of the vector is starved when the capacity
+  is too small. The mask is packed into bits and compacted word by word
+  (:func:`jaxcomp.transforms.selection.compact_from_word`): no scatter of
+  size n.
   """
-  rank, total = exclusive_rank(mask)
-  rank = rank - rank[start]
-  rank = jnp.where(rank < 0, rank + total, rank)
-  dest = jnp.where(mask & (rank < capacity), rank, capacity)
-  return compact(dest, capacity), jnp.minimum(total, capacity)
+  return selection.compact_from_word(selection.pack_mask(mask), capacity, start // 32)
 
 
 def valid_indices(idx: jax.Array, count: jax.Array, n: int) -> jax.Array:
