@@ -35,12 +35,16 @@ class CompressState(NamedTuple):
       gradients), a momentum, or ``()``.
     extra: one entry per leaf group for exchanges that keep state (PowerSGD's
       warm-started Q), else ``()``.
+    phase: uint32 number of updates modulo 2^32 (wraps instead of saturating),
+      for periodic schedules: ACP-SGD's alternation, SBC's sync every ``delay``
+      steps. A saturated ``count`` would freeze them.
   """
 
   count: jax.Array
   key: jax.Array
   memory: Any
   extra: Any
+  phase: jax.Array
 
 
 class Ctx(NamedTuple):
@@ -48,7 +52,8 @@ class Ctx(NamedTuple):
 
   axis: Axis
   key: jax.Array  # shared by all workers; fold in axis.index for independence
-  count: jax.Array
+  count: jax.Array  # int32 step, saturating: for schedules and start steps
+  phase: jax.Array  # uint32 step modulo 2^32: for periodic choices (phase % period)
 
 
 # ----------------------------------------------------------------------------
@@ -380,7 +385,7 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
         for g, (ex, view, idx) in enumerate(method.plan(leaves)))
     return CompressState(
         count=jnp.zeros((), jnp.int32), key=key,
-        memory=method.memory.init(params), extra=extra)
+        memory=method.memory.init(params), extra=extra, phase=jnp.zeros((), jnp.uint32))
 
   def update_fn(updates, state, params=None):
     del params
@@ -418,12 +423,12 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
     extra = []
     xs = [jnp.stack([x[i].reshape(view) for i in idx]) for _, view, idx in plan]
     if method.fused is not None:
-      fused = method.fused(plan, xs, tuple(state.extra), Ctx(axis, step_key, state.count))
+      fused = method.fused(plan, xs, tuple(state.extra), Ctx(axis, step_key, state.count, state.phase))
     for g, ((ex, view, idx), ex_state) in enumerate(zip(plan, state.extra)):
       if method.fused is not None:
         m, loc, ex_state = fused[g]
       else:
-        m, loc, ex_state = ex(xs[g], ex_state, Ctx(axis, jax.random.fold_in(step_key, g), state.count))
+        m, loc, ex_state = ex(xs[g], ex_state, Ctx(axis, jax.random.fold_in(step_key, g), state.count, state.phase))
       extra.append(ex_state)
       for j, i in enumerate(idx):
         mean[i] = m[j].reshape(leaves[i].shape)
@@ -446,7 +451,7 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
         treedef.unflatten(x), treedef.unflatten(local), state.memory)
     new_state = CompressState(
         count=optax.safe_int32_increment(state.count), key=key,
-        memory=memory, extra=tuple(extra))
+        memory=memory, extra=tuple(extra), phase=state.phase + jnp.uint32(1))
     return out, new_state
 
   tx = CompressionTransformation(init_fn, update_fn)

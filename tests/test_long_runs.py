@@ -27,3 +27,8 @@ def test_long_run_keeps_its_promises(name):
   assert r.final_count == longrun.INT32_MAX
   assert r.distinct_keys == STEPS
   assert r.loss_quarters[-1] < r.loss_quarters[0]  # it trains
+  if name in ("acpsgd", "sbc"):
+    # Periodic methods keep their period past the saturated count (the phase
+    # wraps instead): the residual keeps shrinking. A frozen alternation made
+    # ACP-SGD's grow again in the second half (0.24 -> 5.3).
+    assert r.residual_norm_quarters[-1] < r.residual_norm_quarters[1]

@@ -3,12 +3,15 @@
 Each method trains a small least-squares model (a 32x16 matrix and a bias,
 528 parameters) under ``jax.pmap`` over 8 CPU workers, for ``--steps``
 steps inside one jitted ``lax.scan``. The step counter starts ``--steps // 2``
-below the int32 maximum, so it saturates half way. Per method it prints the
+below the int32 maximum, so it saturates half way, and the state's ``phase``
+(the wrapping counter behind ACP-SGD's alternation and SBC's sync period)
+starts as far below 2^32, so it wraps half way. Per method it prints the
 largest residual norm (the memory: residual or momentum, and residuals kept
 by exchanges, as SBC's) and the loss over the run's quarters, and
 checks: every value finite, the residual bounded (its norm in the last
 quarter at most ``GROWTH`` times its peak in the first half), the counter
-saturating at 2^31 - 1 and never decreasing, the state's PRNG keys never
+saturating at 2^31 - 1 and never decreasing, the phase advancing by one
+(modulo 2^32) every step, the state's PRNG keys never
 repeating and identical on every worker, and the replicas' parameters
 bit-identical at the end. tests/test_long_runs.py runs a subset of methods.
 """
@@ -21,7 +24,7 @@ import time
 
 INT32_MAX = 2 ** 31 - 1
 GROWTH = 2.0  # last-quarter residual norm <= GROWTH * first-half peak
-SUBSET = ("dgc", "efsignsgd", "powersgd", "qsgd", "randomk", "topk")  # the CI subset
+SUBSET = ("acpsgd", "dgc", "efsignsgd", "powersgd", "qsgd", "randomk", "sbc", "topk")  # the CI subset
 
 
 @dataclasses.dataclass
@@ -87,7 +90,8 @@ def run(name: str, steps: int = 2000, workers: int = 8, lr: float = 0.02, satura
   tx = optax.chain(jaxcomp.METHODS[name](axis_name="data"), optax.sgd(lr))
   state = tx.init(params)
   start = INT32_MAX - steps // 2 if saturate else 0
-  state = (state[0]._replace(count=jnp.int32(start)),) + tuple(state[1:])
+  phase0 = 2 ** 32 - steps // 2 if saturate else 0
+  state = (state[0]._replace(count=jnp.int32(start), phase=jnp.uint32(phase0)),) + tuple(state[1:])
 
   def train(params, state):
     worker = jax.lax.axis_index("data")
@@ -98,17 +102,17 @@ def run(name: str, steps: int = 2000, workers: int = 8, lr: float = 0.02, satura
       updates, state = tx.update(grads, state, params)
       params = optax.apply_updates(params, updates)
       finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
-      stats = (value, _residual_norm(state[0]), state[0].key, state[0].count, finite)
+      stats = (value, _residual_norm(state[0]), state[0].key, state[0].count, state[0].phase, finite)
       return (params, state), stats
 
     return jax.lax.scan(body, (params, state), jnp.arange(steps, dtype=jnp.int32))
 
   t0 = time.perf_counter()
-  (params_w, _), (losses, norms, keys, counts, finite) = jax.pmap(train, axis_name="data")(
+  (params_w, _), (losses, norms, keys, counts, phases, finite) = jax.pmap(train, axis_name="data")(
       jaxcomp.per_worker(params, workers), jaxcomp.per_worker(state, workers))
   jax.block_until_ready(params_w)
   seconds = time.perf_counter() - t0
-  losses, norms, keys, counts, finite = map(np.asarray, (losses, norms, keys, counts, finite))
+  losses, norms, keys, counts, phases, finite = map(np.asarray, (losses, norms, keys, counts, phases, finite))
 
   problems = []
   if not finite.all():
@@ -124,6 +128,9 @@ def run(name: str, steps: int = 2000, workers: int = 8, lr: float = 0.02, satura
   final = INT32_MAX if saturate else steps
   if counts.min() < start or (np.diff(counts.astype(np.int64), axis=1) < 0).any() or counts[:, -1].min() != final:
     problems.append(f"counter: min {counts.min()}, last {counts[:, -1].tolist()}, expected {final}")
+  expected_phase = (phase0 + 1 + np.arange(steps, dtype=np.int64)) % 2 ** 32
+  if not (phases.astype(np.int64) == expected_phase).all():
+    problems.append(f"phase: last {phases[:, -1].tolist()}, expected {int(expected_phase[-1])}")
   if not (keys == keys[:1]).all():
     problems.append("state keys differ across workers")
   distinct = len({tuple(k) for k in keys[0].tolist()})

@@ -230,7 +230,7 @@ class ACPFusion(FusedExchange):
   def __call__(self, groups, xs, extras, ctx: Ctx):
     buckets = self.layout(groups)
     num = ctx.axis.size
-    even = ctx.count % 2 == 0
+    even = ctx.phase % 2 == 0  # phase wraps at 2^32 (even): the alternation never stops
 
     def send(parity):
       return lambda: self._send(parity, groups, xs, extras, buckets, num)
@@ -266,8 +266,9 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
   matrices and the uncompressed leaves are packed into one float32 buffer and
   all-reduced by a single psum per step, or one per bucket of about
   ``bucket_bytes`` (tensor fusion, in leaf order). Which step is a P-step
-  comes from the state's step count, so a restored checkpoint continues the
-  alternation. A static buffer must fit both kinds of step: with
+  comes from the state's ``phase`` (the step count modulo 2^32, which wraps
+  where ``count`` saturates), so a restored checkpoint continues the
+  alternation, and it never stops. A static buffer must fit both kinds of step: with
   ``balance_phases`` (default) some matrices start with a Q-step (the
   algorithm per matrix is unchanged, shifted by one step), chosen so that
   P-steps and Q-steps send nearly the same number of values; the buffer is

@@ -136,7 +136,7 @@ class SBCExchange(Exchange):
   def __call__(self, X, extra, ctx: Ctx):
     if self.delay == 1:
       return self._sync(X, extra, ctx)
-    return lax.cond(ctx.count % self.delay == self.delay - 1,
+    return lax.cond(ctx.phase % self.delay == self.delay - 1,
                     lambda: self._sync(X, extra, ctx), lambda: self._local(X, extra))
 
   def wire_bytes(self, view, group):
@@ -170,7 +170,8 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
 
   :func:`jaxcomp.wire_bytes` gives the bytes of one sync step; the average
   per step is that divided by ``delay``. A period is counted from the state's
-  step count, so the first sync is at step ``delay - 1`` (0-based). The state
+  ``phase`` (the step count modulo 2^32, which keeps counting where ``count``
+  saturates), so the first sync is at step ``delay - 1`` (0-based). The state
   holds the accumulated update (only when ``delay > 1``) and the residual in
   ``state.extra`` (one :class:`SBCState` per group of same-size leaves,
   stacked ``(G, n)``).

@@ -132,13 +132,15 @@ class OneBitCodec(Codec):
   """Packed signs plus two float32: the mean of the negatives and of the non-negatives."""
 
   def encode(self, x, key):
-    neg = x < 0
-    n_neg = jnp.sum(neg)
-    n_pos = x.shape[0] - n_neg
+    # Counts from the packed bits and sums of min/max(x, 0): reductions that
+    # XLA:CPU vectorizes (a masked sum or a count of compares it does not).
+    words = packing.pack_signs(x)
+    n_pos = jnp.sum(lax.population_count(words).astype(jnp.int32))
+    n_neg = x.shape[0] - n_pos
     means = jnp.stack([
-        jnp.sum(jnp.where(neg, x, 0.0)) / jnp.maximum(n_neg, 1),
-        jnp.sum(jnp.where(neg, 0.0, x)) / jnp.maximum(n_pos, 1)])
-    return means, packing.pack_signs(x)
+        jnp.sum(jnp.minimum(x, 0.0)) / jnp.maximum(n_neg, 1),
+        jnp.sum(jnp.maximum(x, 0.0)) / jnp.maximum(n_pos, 1)])
+    return means, words
 
   def decode(self, payload, key, n):
     means, words = payload
