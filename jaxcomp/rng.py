@@ -62,6 +62,11 @@ def bits(key: jax.Array, shape) -> jax.Array:
   return _lowbias32(h + k0)
 
 
+def to_unit(h: jax.Array) -> jax.Array:
+  """uint32 hashes -> float32 in ``[0, 1)`` from their top 24 bits (multiples of 2^-24)."""
+  return (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
 def uniform(key: jax.Array, shape) -> jax.Array:
-  """float32 in ``[0, 1)`` per entry of ``shape``, multiples of 2^-24, from :func:`bits`."""
-  return (bits(key, shape) >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+  """float32 in ``[0, 1)`` per entry of ``shape``: :func:`to_unit` of :func:`bits`."""
+  return to_unit(bits(key, shape))

@@ -188,7 +188,7 @@ class NaturalCodec(Codec):
     d = e - low
     frac = (1.0 + m.astype(jnp.float32) * 2.0 ** -23) * _pow2(jnp.clip(d, -126, 0) + 127)
     p = jnp.where(d >= -126, frac, 0.0)
-    under_up = (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24) < p
+    under_up = rng.to_unit(h) < p
     e2 = jnp.where(e >= low, e1, jnp.where((e >= 1) & under_up, low, 0))
     code = jnp.where(e2 == 0, 0, top + 1 - e2)
     field = jnp.where(code > 0, code.astype(jnp.uint32) | (sign << (self.bits - 1)), 0)
