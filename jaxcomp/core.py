@@ -1,18 +1,20 @@
-"""The generic builder: policy -> memory -> codec -> communicator -> memory.
+"""The generic builder: buckets -> memory -> codec -> communicator -> memory.
 
 A method is a :class:`Method`: a ``route`` that sends each gradient leaf to an
 :class:`Exchange` (codec + communicator) under a view shape, and a memory
 (error feedback). :func:`build` turns it into an ``optax.GradientTransformation``
 whose state is a :class:`CompressState` of arrays only.
 
-Leaves that share an exchange and a view shape are stacked into one group and
-compressed by one batched (vmapped) kernel, so the compiled program grows with
-the number of distinct shapes, not with the number of leaves.
+The leaves of a step are laid out in flat float32 buckets (:mod:`jaxcomp.layout`),
+one exchange per bucket; the memory lives in the same layout. An exchange runs
+once per bucket, so the compiled program grows with the number of buckets,
+not with the number of leaves.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import jax
@@ -21,7 +23,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp.collectives import ops
+from jaxcomp import layout
+from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import Axis, AxisName, check_axis_name, current_axis
 
 
@@ -31,9 +34,10 @@ class CompressState(NamedTuple):
   Attributes:
     count: int32 number of updates so far (saturates instead of overflowing).
     key: uint32[2] PRNG key, identical on every worker (split once per step).
-    memory: the memory's state: the error-feedback residual (a pytree like the
-      gradients), a momentum, or ``()``.
-    extra: one entry per leaf group for exchanges that keep state (PowerSGD's
+    memory: the memory's state in the bucket layout: the error-feedback
+      residual (one float32 vector per bucket), a momentum, or ``()``. Read it
+      as a tree like the gradients with :func:`jaxcomp.memory_tree`.
+    extra: one entry per bucket for exchanges that keep state (PowerSGD's
       warm-started Q), else ``()``.
     phase: uint32 number of updates modulo 2^32 (wraps instead of saturating),
       for periodic schedules: ACP-SGD's alternation, SBC's sync every ``delay``
@@ -94,7 +98,7 @@ class Memory:
     return jax.tree.map(one, x, sent, state)
 
   def like_params(self, state: Any) -> Optional[Any]:
-    """The part of the state shaped like the gradients (checked against them)."""
+    """The part of the state in the bucket layout (checked against the gradients' buckets)."""
     return state if self.enabled else None
 
   def output(self, mean: Any) -> Any:
@@ -104,22 +108,49 @@ class Memory:
 
 
 # ----------------------------------------------------------------------------
-# Exchanges: how a group of same-view leaves is compressed and communicated
+# Exchanges: how one bucket is compressed and communicated
+
+
+STACK_MAX = 1 << 16  # segments with more entries than this are not stacked, see groups()
+
+
+def groups(segs: layout.Segments):
+  """Segment indices of a bucket grouped by view, for exchanges of the group form.
+
+  Segments of more than :data:`STACK_MAX` entries form a group of their own
+  (stacking copies them); smaller ones of the same view share one batched kernel.
+  """
+  out: dict = {}
+  for s, (n, view) in enumerate(zip(segs.sizes, segs.views)):
+    out.setdefault((tuple(view), s if n > STACK_MAX else -1), []).append(s)
+  return [(view, idx) for (view, _), idx in out.items()]
 
 
 class Exchange:
-  """Compresses and communicates a stacked group ``X`` of shape ``(G, *view)``.
+  """Compresses and communicates one bucket.
 
-  Subclasses implement ``__call__(X, extra, ctx) -> (mean, local, extra)``:
-  ``mean`` is the decoded mean over the axis (identical on every worker),
-  ``local`` what this worker's memory counts as sent, and ``wire_bytes``, the
-  nominal bytes one worker hands to collectives for the group.
-  ``carries_nonfinite``: a NaN or Inf anywhere in any worker's ``X`` always
+  The bucket form, which :func:`build` calls:
+  ``exchange(x, segs, extra, ctx) -> (mean, local, extra)`` where ``x`` is the
+  bucket (float32, ``segs.length``), ``mean`` the decoded mean over the axis
+  (identical on every worker), ``local`` what this worker's memory counts as
+  sent; ``init_bucket(segs, key)`` makes the exchange state and
+  ``bucket_wire_bytes(segs)`` gives the nominal bytes one worker hands to
+  collectives for the bucket.
+
+  The group form, for exchanges written per view: ``__call__(X, extra, ctx)``
+  over a stack ``X`` of same-view segments ``(G, *view)``, with ``init(view,
+  group, key)`` and ``wire_bytes(view, group)``; the default bucket form runs
+  it once per group of same-view segments.
+
+  ``carries_nonfinite``: a NaN or Inf anywhere in any worker's bucket always
   makes ``mean`` non-finite (a float psum of the values does); :func:`build`
   then needs no flag collective to tell every worker about it.
+  ``block``: segments start at multiples of it and are zero-padded to one
+  (segment reductions work on rows of ``block`` entries).
   """
 
   carries_nonfinite: bool = False
+  block: int = 1
 
   def init(self, view: Tuple[int, ...], group: int, key: jax.Array) -> Any:
     del view, group, key
@@ -131,29 +162,61 @@ class Exchange:
   def wire_bytes(self, view: Tuple[int, ...], group: int) -> int:
     raise NotImplementedError
 
+  def init_bucket(self, segs: layout.Segments, key: jax.Array) -> Any:
+    return tuple(self.init(view, len(idx), jax.random.fold_in(key, g))
+                 for g, (view, idx) in enumerate(groups(segs)))
+
+  def bucket_wire_bytes(self, segs: layout.Segments) -> int:
+    return sum(self.wire_bytes(view, len(idx)) for view, idx in groups(segs))
+
+  def exchange(self, x, segs: layout.Segments, extra, ctx: Ctx):
+    mean, local = [None] * segs.count, [None] * segs.count
+    new_extra = []
+    for g, ((view, idx), ex_state) in enumerate(zip(groups(segs), extra)):
+      X = jnp.stack([segs.segment(x, s).reshape(view) for s in idx])
+      m, loc, ex_state = self(X, ex_state, ctx._replace(key=jax.random.fold_in(ctx.key, g)))
+      new_extra.append(ex_state)
+      for j, s in enumerate(idx):
+        mean[s], local[s] = m[j].reshape(-1), loc[j].reshape(-1)
+    return _join(mean, segs), _join(local, segs), tuple(new_extra)
+
+
+def _join(parts, segs: layout.Segments) -> jax.Array:
+  """Per-segment vectors -> one bucket vector with zero padding."""
+  out = []
+  for part, n, p in zip(parts, segs.sizes, segs.padded_sizes):
+    part = part.astype(jnp.float32)
+    out.append(jnp.pad(part, (0, p - n)) if p > n else part)
+  return out[0] if len(out) == 1 else jnp.concatenate(out)
+
 
 class Codec:
-  """Encode/decode of one flat float32 vector of length n (static).
+  """Encode/decode of one bucket: a flat float32 vector with static segments.
 
-  ``encode(x, key) -> payload`` (a pytree of arrays of static shapes) and
-  ``decode(payload, key, n) -> x_hat``. ``linear`` codecs satisfy
-  ``decode(sum of payloads) == sum of decodes`` and travel through psum;
-  the others are all-gathered and combined by ``aggregate`` (default: the
-  mean of the decoded payloads). ``shared_key``: the key is identical on every
-  worker (random-k positions); otherwise each worker folds in its index.
+  ``encode(x, key, segs) -> payload`` (a pytree of arrays of static shapes)
+  and ``decode(payload, key, segs) -> x_hat`` (length ``segs.length``).
+  Per-leaf quantities (a norm, a scale, a top-k) are per segment, computed by
+  the segment reductions of :class:`jaxcomp.layout.Segments`; padding entries
+  of ``x`` are zero and their decode is ignored. ``linear`` codecs satisfy
+  ``decode(sum of payloads) == sum of decodes`` and travel through psum; the
+  others are packed into one byte buffer, all-gathered (one collective per
+  bucket) and combined by ``aggregate`` (default: the mean of the decoded
+  payloads). ``shared_key``: the key is identical on every worker (random-k
+  positions); otherwise each worker folds in its index.
   """
 
   linear: bool = False
   shared_key: bool = False
   carries_nonfinite: bool = False
+  block: int = 1
 
-  def encode(self, x: jax.Array, key: jax.Array) -> Any:
+  def encode(self, x: jax.Array, key: jax.Array, segs: layout.Segments) -> Any:
     raise NotImplementedError
 
-  def decode(self, payload: Any, key: jax.Array, n: int) -> jax.Array:
+  def decode(self, payload: Any, key: jax.Array, segs: layout.Segments) -> jax.Array:
     raise NotImplementedError
 
-  def aggregate(self, gathered: Any, key: jax.Array, n: int, num: int) -> jax.Array:
+  def aggregate(self, gathered: Any, key: jax.Array, segs: layout.Segments, num: int) -> jax.Array:
     """Mean over the leading (worker) axis of ``gathered`` payloads.
 
     Decoded and accumulated one worker at a time, in worker order (the same
@@ -163,7 +226,7 @@ class Codec:
 
     def decoded(w):
       payload = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, w, keepdims=False), gathered)
-      return self.decode(payload, key, n).astype(jnp.float32)
+      return self.decode(payload, key, segs).astype(jnp.float32)
 
     # Starting from worker 0's decode keeps the carry's type (shard_map's
     # varying-ness included) that of the body's.
@@ -173,7 +236,7 @@ class Codec:
 
 @dataclasses.dataclass(frozen=True)
 class CodecExchange(Exchange):
-  """A codec over the flat view ``(n,)``, moved by psum or by all-gather."""
+  """A codec over a whole bucket, moved by one psum or by one all-gather of its packed bytes."""
 
   codec: Codec
 
@@ -181,37 +244,34 @@ class CodecExchange(Exchange):
   def carries_nonfinite(self) -> bool:
     return self.codec.carries_nonfinite
 
-  def _keys(self, ctx: Ctx, group: int):
-    key = ctx.key if self.codec.shared_key else jax.random.fold_in(ctx.key, ctx.axis.index)
-    return jax.random.split(key, group), jax.random.split(ctx.key, group)
+  @property
+  def block(self) -> int:
+    return self.codec.block
 
-  def __call__(self, X, extra, ctx: Ctx):
-    group, n = X.shape
-    enc_keys, shared_keys = self._keys(ctx, group)
-    dec_keys = enc_keys if self.codec.shared_key else shared_keys
-    encode = jax.vmap(self.codec.encode)
-    decode = jax.vmap(lambda p, k: self.codec.decode(p, k, n))
-    if self.codec.linear:
+  def init_bucket(self, segs, key):
+    return ()
+
+  def exchange(self, x, segs, extra, ctx: Ctx):
+    codec = self.codec
+    enc_key = ctx.key if codec.shared_key else jax.random.fold_in(ctx.key, ctx.axis.index)
+    dec_key = enc_key if codec.shared_key else ctx.key
+    if codec.linear:
       num = ctx.axis.size
-      payload = encode(X / num, enc_keys)
-      local = decode(payload, enc_keys) * num
-      mean = decode(ops.allreduce_sum(payload, ctx.axis), enc_keys)
+      payload = codec.encode(x / num, enc_key, segs)
+      local = codec.decode(payload, enc_key, segs) * num
+      mean = codec.decode(ops.allreduce_sum(payload, ctx.axis), enc_key, segs)
       return mean, local, extra
-    payload = encode(X, enc_keys)
-    local = decode(payload, enc_keys)
+    payload = codec.encode(x, enc_key, segs)
+    local = codec.decode(payload, enc_key, segs)
     if ctx.axis.name is None:
       return local, local, extra
-    gathered = ops.allgather(payload, ctx.axis)  # leaves (N, G, ...)
-    gathered = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), gathered)
-    mean = jax.vmap(lambda p, k: self.codec.aggregate(p, k, n, ctx.axis.size))(
-        gathered, dec_keys)
-    return mean, local, extra
+    gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    return codec.aggregate(gathered, dec_key, segs, ctx.axis.size), local, extra
 
-  def wire_bytes(self, view, group):
-    (n,) = view
-    x = jax.ShapeDtypeStruct((group, n), jnp.float32)
-    keys = jax.eval_shape(lambda: jax.random.split(jax.random.PRNGKey(0), group))
-    shapes = jax.eval_shape(jax.vmap(self.codec.encode), x, keys)
+  def bucket_wire_bytes(self, segs):
+    x = jax.ShapeDtypeStruct((segs.length,), jnp.float32)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    shapes = jax.eval_shape(lambda x, k: self.codec.encode(x, k, segs), x, key)
     return int(sum(np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
 
 
@@ -221,10 +281,10 @@ class DenseCodec(Codec):
   linear = True
   carries_nonfinite = True
 
-  def encode(self, x, key):
+  def encode(self, x, key, segs):
     return x
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
     return payload
 
 
@@ -234,13 +294,14 @@ DENSE = CodecExchange(DenseCodec())
 class FusedExchange:
   """Compresses and communicates all leaf groups of a step at once (tensor fusion).
 
-  For methods whose collectives span groups, e.g. ACP-SGD's one all-reduce
+  For methods whose collectives span buckets, e.g. ACP-SGD's one all-reduce
   for the factors of every layer. ``__call__(groups, xs, extras, ctx)`` gets
-  the plan (one ``(exchange, view, leaf indices)`` per group), each group's
-  stacked input ``(G, *view)`` and state (made by the group exchange's
-  ``init``), and a ``ctx`` whose key is the step's; it returns one
-  ``(mean, local, extra)`` per group. ``wire_bytes(groups)``: the nominal bytes
-  per step. The groups' ``carries_nonfinite`` must stay true of the fused path.
+  the plan (one ``(exchange, view, leaf indices)`` per group, see
+  :meth:`Method.plan`), each group's stacked input ``(G, *view)`` and state
+  (made by the group exchange's ``init``), and a ``ctx`` whose key is the
+  step's; it returns one ``(mean, local, extra)`` per group.
+  ``wire_bytes(groups)``: the nominal bytes per step. The groups'
+  ``carries_nonfinite`` must stay true of the fused path.
   """
 
   def __call__(self, groups, xs, extras, ctx: Ctx):
@@ -263,54 +324,58 @@ def flat_route(exchange: Exchange) -> Callable:
 # The method and the builder
 
 
-STACK_MAX = 1 << 16  # leaves with more entries than this are not stacked, see Method.plan
-
-
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """A compression method: its name, how leaves are routed, and its memory.
+  """A compression method: its name, how leaves are routed, its memory and its bucket policy.
 
   ``fused``: when set, one :class:`FusedExchange` handles every group of a
-  step instead of each group's exchange on its own.
+  step instead of each bucket's exchange on its own.
+  ``bucket_bytes``, ``min_size``, ``dense``: see :func:`build`.
   """
 
   name: str
   route: Callable[[Tuple[int, ...]], Tuple[Exchange, Tuple[int, ...]]]
   memory: Memory
   fused: FusedExchange | None = None
+  bucket_bytes: int = layout.BUCKET_BYTES
+  min_size: int | None = None
+  dense: Any = None
+
+  def buckets(self, updates: Any) -> Tuple[layout.Bucket, ...]:
+    """The bucket layout of a gradient tree (static: shapes and the dense mask only)."""
+    leaves = jax.tree.leaves(updates)
+    flags = layout.dense_flags(self.dense, updates)
+    min_size = layout.MIN_SIZE if self.min_size is None else self.min_size
+    return _plan(self.route, self.bucket_bytes, tuple(tuple(np.shape(x)) for x in leaves),
+                 None if flags is None else tuple(flags), min_size)
 
   def plan(self, leaves: Sequence[Any]):
-    """Groups leaf indices by (exchange, view); empty leaves are skipped.
-
-    Leaves of more than :data:`STACK_MAX` entries form a group of their own:
-    stacking copies them (several times the kernel's own cost on CPU), while
-    one kernel per large leaf costs little to compile. Smaller leaves of the
-    same view share one batched kernel, so the program grows with distinct
-    small shapes, not with leaves.
-    """
-    groups: dict = {}
-    for i, leaf in enumerate(leaves):
-      size = int(np.prod(leaf.shape, dtype=np.int64))
-      if size == 0:
-        continue
-      exchange, view = self.route(tuple(leaf.shape))
-      groups.setdefault((exchange, tuple(view), i if size > STACK_MAX else -1), []).append(i)
-    return [(ex, view, idx) for (ex, view, _), idx in groups.items()]
+    """The groups of the group form, over every bucket: ``(exchange, view, leaf indices)``."""
+    out = []
+    for b in self.buckets(list(leaves)):
+      for view, idx in groups(b.segments):
+        out.append((b.exchange, view, [b.leaves[s] for s in idx]))
+    return out
 
   def wire_bytes(self, params: Any, nonfinite_flag: bool = True) -> int:
     """Nominal bytes one worker hands to collectives per step for ``params``.
 
     ``nonfinite_flag``: count the float32 that tells every worker about a
     non-finite step (see :func:`build`); it is sent only over an axis, and
-    only when some leaf group's exchange does not carry NaN/Inf by itself.
+    only when some bucket's exchange does not carry NaN/Inf by itself.
     """
-    plan = self.plan(jax.tree.leaves(params))
-    flag = nonfinite_flag and any(not ex.carries_nonfinite for ex, _, _ in plan)
+    buckets = self.buckets(params)
+    flag = nonfinite_flag and any(not b.exchange.carries_nonfinite for b in buckets)
     if self.fused is not None:
-      payload = self.fused.wire_bytes(plan)
+      payload = self.fused.wire_bytes(self.plan(jax.tree.leaves(params)))
     else:
-      payload = sum(ex.wire_bytes(view, len(idx)) for ex, view, idx in plan)
+      payload = sum(b.exchange.bucket_wire_bytes(b.segments) for b in buckets)
     return payload + (NONFINITE_FLAG_BYTES if flag else 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(route, bucket_bytes, shapes, flags, min_size):
+  return layout.plan(shapes, route, DENSE, bucket_bytes, min_size, flags)
 
 
 class CompressionTransformation(optax.GradientTransformation):
@@ -332,16 +397,70 @@ def _check_leaves(leaves, paths):
 NONFINITE_FLAG_BYTES = 4  # one float32 all-reduced per step, see build()
 
 
-def _nan_if_nonfinite(leaves) -> jax.Array:
-  """0.0 if every entry of ``leaves`` is finite, else NaN: a sum of ``x * 0``, which cannot overflow."""
+def _nan_if_nonfinite(vectors) -> jax.Array:
+  """0.0 if every entry of ``vectors`` is finite, else NaN: a sum of ``x * 0``, which cannot overflow."""
   total = jnp.zeros((), jnp.float32)
-  for leaf in leaves:
-    if leaf.size:
-      total = total + jnp.sum(leaf.astype(jnp.float32) * 0.0)
+  for v in vectors:
+    if v.size:
+      total = total + jnp.sum(v.astype(jnp.float32) * 0.0)
   return total
 
 
-def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> CompressionTransformation:
+def _exchange_all(method: Method, buckets, x, extras, ctx: Ctx):
+  """Each bucket's exchange (or the method's fused exchange): lists of mean, local, extra."""
+  if method.fused is None:
+    results = [b.exchange.exchange(xb, b.segments, e, ctx._replace(key=jax.random.fold_in(ctx.key, i)))
+               for i, (b, xb, e) in enumerate(zip(buckets, x, extras))]
+    return [list(r) for r in zip(*results)] if results else ([], [], [])
+  plan, xs, states, where = [], [], [], []
+  for i, (b, xb) in enumerate(zip(buckets, x)):
+    for g, (view, idx) in enumerate(groups(b.segments)):
+      plan.append((b.exchange, view, [b.leaves[s] for s in idx]))
+      xs.append(jnp.stack([b.segments.segment(xb, s).reshape(view) for s in idx]))
+      states.append(extras[i][g])
+      where.append((i, idx))
+  fused = method.fused(plan, xs, tuple(states), ctx)
+  mean = [[None] * b.segments.count for b in buckets]
+  local = [[None] * b.segments.count for b in buckets]
+  new_extra = [[] for _ in buckets]
+  for (i, idx), (m, loc, e) in zip(where, fused):
+    new_extra[i].append(e)
+    for j, s in enumerate(idx):
+      mean[i][s], local[i][s] = m[j].reshape(-1), loc[j].reshape(-1)
+  return ([_join(m, b.segments) for m, b in zip(mean, buckets)],
+          [_join(loc, b.segments) for loc, b in zip(local, buckets)],
+          [tuple(e) for e in new_extra])
+
+
+def _check_state(method: Method, state, buckets, treedef):
+  like = method.memory.like_params(state.memory)
+  if like is not None:
+    got = [tuple(np.shape(v)) for v in jax.tree.leaves(like)]
+    want = [(b.length,) for b in buckets]
+    if got != want:
+      raise ValueError(
+          "updates do not match the state: the gradients' buckets hold"
+          f" {[w[0] for w in want]} entries, the state's {[g[0] if g else 0 for g in got]}"
+          f" (gradient tree {treedef}). Call tx.init on parameters with the same structure"
+          " and shapes as the gradients.")
+  if len(buckets) != len(state.extra):
+    raise ValueError(
+        f"updates do not match the state: {len(buckets)} buckets now,"
+        f" {len(state.extra)} when tx.init was called.")
+
+
+def _positive_int(name, value, low):
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be an int >= {low} or None, got {name}={value!r}")
+  if value < low:
+    raise ValueError(f"{name} must be >= {low} or None, got {name}={value!r}")
+  return int(value)
+
+
+def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
+          min_size: int | None = None, dense: Any = None) -> CompressionTransformation:
   """Assembles ``method`` into an optax transformation communicating over ``axis_name``.
 
   Args:
@@ -349,10 +468,21 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
     axis_name: the pmap / shard_map axis (or tuple of axes) to average over;
       ``None`` runs a local compress -> decode round trip.
     seed: seeds the PRNG key in the state (identical on every worker).
+    bucket_bytes: the largest bucket, in float32 bytes (default 25 MiB, as
+      torch DDP); a leaf larger than that gets a bucket of its own.
+    min_size: leaves of fewer entries travel dense in float32 (default
+      :data:`jaxcomp.layout.MIN_SIZE`, 1024); 0 or 1 compresses every leaf.
+    dense: leaves kept dense whatever their size: an optax-style mask, a
+      pytree of bools like the gradients or a callable returning one.
 
   Returns:
     A :class:`CompressionTransformation`; its ``update`` returns the mean over
     the axis of what the workers sent, identical on every worker.
+
+  The data path of ``update``: the gradient leaves are laid out in buckets
+  (:func:`jaxcomp.layout.pack`), the memory compensates them, each bucket's
+  exchange encodes, communicates and decodes it, the memory keeps what was
+  not sent, and the mean is cut back into leaves of the gradients' dtypes.
 
   Non-finite steps: if any worker's gradient (after error-feedback
   compensation) holds a NaN or Inf, every entry of the output is NaN on every
@@ -363,101 +493,82 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0) -> Compress
   is finite again. Codecs lose NaNs (a sign bit, an unsampled position), so
   each worker's ``sum(x * 0)`` (0, or NaN; it cannot overflow) is
   all-reduced as one float32: 4 bytes, counted by :func:`wire_bytes`, and one
-  pass over the gradients. A flag inside the payloads would need every
-  exchange to carry it and still cost bytes (packed sign payloads have no
-  spare bit). Exchanges that carry NaN/Inf into the mean themselves
-  (``carries_nonfinite``: the float psums, SBC's NaN header) need no flag;
-  with no state to protect either (none, fp16 and bf16 without error
-  feedback) the output is left exactly as ``lax.pmean`` gives it, NaN/Inf
-  where the mean has them, at no cost.
+  pass over the gradients. Exchanges that carry NaN/Inf into the mean
+  themselves (``carries_nonfinite``: the float psums, SBC's NaN header) need
+  no flag; with no state to protect either (none, fp16 and bf16 without error
+  feedback) the output is left exactly as ``lax.pmean`` gives it.
   """
   axis_name = check_axis_name(axis_name)
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise TypeError(f"seed must be an int, got seed={seed!r}")
   if not -2 ** 63 <= int(seed) < 2 ** 63:
     raise ValueError(f"seed must fit in int64, got seed={seed!r}")
+  bucket_bytes = _positive_int("bucket_bytes", bucket_bytes, 4)
+  min_size = _positive_int("min_size", min_size, 0)
+  if dense is not None and not callable(dense) and not jax.tree.leaves(dense):
+    raise ValueError(f"dense must be a pytree of bools or a callable returning one, got dense={dense!r}")
+  method = dataclasses.replace(
+      method, bucket_bytes=method.bucket_bytes if bucket_bytes is None else bucket_bytes,
+      min_size=method.min_size if min_size is None else min_size,
+      dense=method.dense if dense is None else dense)
 
   def init_fn(params):
-    leaves = jax.tree.leaves(params)
     key = jax.random.PRNGKey(seed)
-    extra = tuple(
-        ex.init(view, len(idx), jax.random.fold_in(key, g))
-        for g, (ex, view, idx) in enumerate(method.plan(leaves)))
+    buckets = method.buckets(params)
+    zeros = tuple(jnp.zeros((b.length,), jnp.float32) for b in buckets)
+    extra = tuple(b.exchange.init_bucket(b.segments, jax.random.fold_in(key, i))
+                  for i, b in enumerate(buckets))
     return CompressState(
         count=jnp.zeros((), jnp.int32), key=key,
-        memory=method.memory.init(params), extra=extra, phase=jnp.zeros((), jnp.uint32))
+        memory=method.memory.init(zeros), extra=extra, phase=jnp.zeros((), jnp.uint32))
 
   def update_fn(updates, state, params=None):
     del params
     if not isinstance(state, CompressState):
       raise TypeError(f"state must be the CompressState from tx.init, got {type(state).__name__}")
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    paths = [p for p, _ in paths_leaves]
     leaves = [leaf for _, leaf in paths_leaves]
-    _check_leaves(leaves, paths)
-    like = method.memory.like_params(state.memory)
-    if like is not None:
-      mem_def = jax.tree.structure(like)
-      if mem_def != treedef:
-        raise ValueError(
-            "updates do not match the state: the gradient tree is"
-            f" {treedef}, the state was initialized for {mem_def}. Call tx.init"
-            " on parameters with the same structure as the gradients.")
-      for (path, g), e in zip(paths_leaves, jax.tree.leaves(like)):
-        if g.shape != e.shape:
-          raise ValueError(
-              f"updates: leaf {jax.tree_util.keystr(path)} has shape {g.shape}"
-              f" but the state holds {e.shape}; the gradients do not match the"
-              " parameters given to tx.init.")
-    plan = method.plan(leaves)
-    if len(plan) != len(state.extra):
-      raise ValueError(
-          f"updates do not match the state: {len(plan)} leaf groups now,"
-          f" {len(state.extra)} when tx.init was called.")
-
+    _check_leaves(leaves, [p for p, _ in paths_leaves])
+    buckets = method.buckets(updates)
+    _check_state(method, state, buckets, treedef)
     axis = current_axis(axis_name)
     key, step_key = jax.random.split(state.key)
-    x = jax.tree.leaves(method.memory.compensate(updates, state.memory))
-    mean = list(x)
-    local = list(x)
-    extra = []
-    xs = [jnp.stack([x[i].reshape(view) for i in idx]) for _, view, idx in plan]
-    if method.fused is not None:
-      fused = method.fused(plan, xs, tuple(state.extra), Ctx(axis, step_key, state.count, state.phase))
-    for g, ((ex, view, idx), ex_state) in enumerate(zip(plan, state.extra)):
-      if method.fused is not None:
-        m, loc, ex_state = fused[g]
-      else:
-        m, loc, ex_state = ex(xs[g], ex_state, Ctx(axis, jax.random.fold_in(step_key, g), state.count, state.phase))
-      extra.append(ex_state)
-      for j, i in enumerate(idx):
-        mean[i] = m[j].reshape(leaves[i].shape)
-        local[i] = loc[j].reshape(leaves[i].shape)
-    out = jax.tree.leaves(method.memory.output(treedef.unflatten(mean)))
-    out = [o.astype(leaf.dtype) for o, leaf in zip(out, leaves)]
-    carried = all(ex.carries_nonfinite for ex, _, _ in plan)
-    stateless = not jax.tree.leaves((state.memory, state.extra))
-    if plan and not (carried and stateless):  # else: exactly the exchanges' mean (lax.pmean)
-      if carried:  # the exchanges put any NaN/Inf into ``out``
-        bad = jnp.isnan(_nan_if_nonfinite(out))
-      else:
-        bad = jnp.isnan(ops.allreduce_sum(_nan_if_nonfinite(x), axis))
-      out = [jnp.where(bad, jnp.nan, o).astype(o.dtype) for o in out]
-      local = [jnp.where(bad, 0.0, s) for s in local]
-      extra = [jax.tree.map(lambda new, old: jnp.where(bad, old, new), e, e0)
-               for e, e0 in zip(extra, state.extra)]
-    out = treedef.unflatten(out)
-    memory = method.memory.update(
-        treedef.unflatten(x), treedef.unflatten(local), state.memory)
+    ctx = Ctx(axis, step_key, state.count, state.phase)
+
+    grads = tuple(layout.pack(buckets, leaves))                       # bucket
+    x = method.memory.compensate(grads, state.memory)                 # compensate
+    mean, local, extra = _exchange_all(method, buckets, x, state.extra, ctx)  # encode, collective, decode
+    local = [jnp.where(b.segments.valid(), s, 0.0) if b.segments.has_pads else s
+             for b, s in zip(buckets, local)]
+    mean, local, extra = _guard_nonfinite(buckets, x, mean, local, extra, state, axis)
+    memory = method.memory.update(tuple(x), tuple(local), state.memory)   # residual
+    out = layout.unpack(buckets, method.memory.output(tuple(mean)), leaves)
     new_state = CompressState(
         count=optax.safe_int32_increment(state.count), key=key,
         memory=memory, extra=tuple(extra), phase=state.phase + jnp.uint32(1))
-    return out, new_state
+    return treedef.unflatten(out), new_state
 
   tx = CompressionTransformation(init_fn, update_fn)
   tx.method = method
   tx.axis_name = axis_name
   return tx
+
+
+def _guard_nonfinite(buckets, x, mean, local, extra, state, axis):
+  """A non-finite step: NaN output on every worker, nothing counted as sent, exchange state kept."""
+  carried = all(b.exchange.carries_nonfinite for b in buckets)
+  stateless = not jax.tree.leaves((state.memory, state.extra))
+  if not buckets or (carried and stateless):  # exactly the exchanges' mean (lax.pmean)
+    return mean, local, extra
+  if carried:  # the exchanges put any NaN/Inf into the mean
+    bad = jnp.isnan(_nan_if_nonfinite(mean))
+  else:
+    bad = jnp.isnan(ops.allreduce_sum(_nan_if_nonfinite(x), axis))
+  mean = [jnp.where(bad, jnp.nan, m) for m in mean]
+  local = [jnp.where(bad, 0.0, s) for s in local]
+  extra = [jax.tree.map(lambda new, old: jnp.where(bad, old, new), e, e0)
+           for e, e0 in zip(extra, state.extra)]
+  return mean, local, extra
 
 
 def wire_bytes(tx: Any, params: Any) -> int:
@@ -471,3 +582,27 @@ def wire_bytes(tx: Any, params: Any) -> int:
   if not isinstance(method, Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
   return method.wire_bytes(params, nonfinite_flag=getattr(tx, "axis_name", None) is not None)
+
+
+def memory_tree(tx: Any, state: CompressState, params: Any) -> Any:
+  """The memory of ``state`` read as trees like ``params`` (float32), e.g. the residual.
+
+  The state keeps the memory in the bucket layout; this cuts every bucket
+  vector of it back into leaves (leaves no bucket holds, empty ones, are
+  zeros). A memory with several fields (DGC's momentum and accumulation)
+  gives the same structure with a tree in each field.
+  """
+  method = tx.method
+  buckets = method.buckets(params)
+  leaves, treedef = jax.tree.flatten(params)
+  like = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32) for x in leaves]
+
+  def cut(vectors):
+    return treedef.unflatten(layout.unpack(buckets, list(vectors), like))
+
+  mem = state.memory
+  if isinstance(mem, tuple) and hasattr(mem, "_fields"):
+    return type(mem)(*(cut(f) for f in mem))
+  if not jax.tree.leaves(mem):
+    return mem
+  return cut(mem)

@@ -17,3 +17,13 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
+
+# The tests' trees are small (a 3x3x4x8 kernel, a 40x24 matrix, a bias, a
+# scalar) so that every codec runs on every kind of leaf; with the library's
+# default policy (leaves under 1024 entries travel dense) most of them would
+# not be compressed at all. Factories read this default when they are called;
+# tests/test_layout.py checks the default policy itself.
+import jaxcomp.layout  # noqa: E402
+
+DEFAULT_MIN_SIZE = jaxcomp.layout.MIN_SIZE
+jaxcomp.layout.MIN_SIZE = 1

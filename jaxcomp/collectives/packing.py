@@ -7,7 +7,9 @@ Packing works on the last axis; leading axes are batch axes.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 _ALLOWED_BITS = (1, 2, 4, 8)
 
@@ -69,3 +71,38 @@ def unpack_signs(words: jnp.ndarray, n: int, dtype=jnp.float32) -> jnp.ndarray:
   """Unpacks :func:`pack_signs` words to +1 / -1 values of ``dtype``."""
   bits = unpack(words, 1, n)
   return (2 * bits.astype(dtype) - 1).astype(dtype)
+
+
+def to_bytes(payload) -> jnp.ndarray:
+  """Every array of a payload pytree, bitcast to uint8 and concatenated: one buffer, one collective."""
+  parts = []
+  for a in jax.tree.leaves(payload):
+    a = jnp.asarray(a)
+    if a.dtype == jnp.bool_:
+      raise TypeError("payload arrays must not be bool: pack them into uint8 words")
+    flat = a.reshape(-1)
+    if a.dtype.itemsize > 1:
+      flat = lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
+    else:
+      flat = lax.bitcast_convert_type(flat, jnp.uint8)
+    parts.append(flat)
+  if not parts:
+    return jnp.zeros((0,), jnp.uint8)
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def from_bytes(buffers: jnp.ndarray, like):
+  """Inverse of :func:`to_bytes` over a leading axis: ``(N, bytes)`` -> the payload with leaves ``(N, ...)``."""
+  leaves, treedef = jax.tree.flatten(like)
+  out, at = [], 0
+  lead = buffers.shape[:-1]
+  for a in leaves:
+    size = int(a.size) * a.dtype.itemsize
+    chunk = buffers[..., at:at + size]
+    at += size
+    if a.dtype.itemsize > 1:
+      chunk = lax.bitcast_convert_type(chunk.reshape(lead + (int(a.size), a.dtype.itemsize)), a.dtype)
+    else:
+      chunk = lax.bitcast_convert_type(chunk, a.dtype)
+    out.append(chunk.reshape(lead + tuple(a.shape)))
+  return treedef.unflatten(out)

@@ -31,10 +31,10 @@ class CastCodec(Codec):
   linear = True
   carries_nonfinite = True  # NaN/Inf survive the cast and the psum
 
-  def encode(self, x, key):
+  def encode(self, x, key, segs):
     return x.astype(self.dtype)
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
     return payload.astype(jnp.float32)
 
 

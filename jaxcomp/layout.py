@@ -1,0 +1,230 @@
+"""Gradient buckets: the leaves of a step laid out in flat float32 vectors with static segments.
+
+The builder (:func:`jaxcomp.build`) never compresses leaf by leaf. It lays the
+gradient leaves out in **reverse tree order** (the order backprop produces
+them) in flat float32 buckets of at most ``bucket_bytes``, one kind of
+exchange per bucket, and runs each exchange once per bucket. The leaf
+boundaries inside a bucket are :class:`Segments`: offsets and sizes known at
+trace time, so a layer-wise codec (a top-k per leaf, a norm per leaf) keeps
+its per-leaf meaning in one fused kernel, through segment reductions over
+rows of ``block`` entries.
+
+The error-feedback residual and every per-entry memory live in the same
+layout (one float32 vector per bucket), whatever the parameters' dtype.
+
+The leaf policy is the same for every method: leaves of fewer than
+``min_size`` entries, and leaves a ``dense`` mask selects, travel dense in
+float32 (fused into dense buckets, one psum each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default bucket (25 MiB)
+MIN_SIZE = 1024  # entries; smaller leaves travel dense (the default; see README "Buckets")
+
+
+def _prod(shape) -> int:
+  return int(np.prod(shape, dtype=np.int64))
+
+
+def padded(n: int, block: int) -> int:
+  return -(-n // block) * block
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """The leaves of one bucket: static offsets, sizes and views.
+
+  Each segment starts at a multiple of ``block`` and is zero-padded to one;
+  ``length`` is the bucket's length (a multiple of ``block``). Segment
+  reductions work on rows of ``block`` entries: one reduction along the rows,
+  then a small segment sum over rows (no ``n``-sized scatter).
+  """
+
+  offsets: Tuple[int, ...]
+  sizes: Tuple[int, ...]
+  views: Tuple[Tuple[int, ...], ...]
+  block: int = 1
+
+  @property
+  def count(self) -> int:
+    return len(self.sizes)
+
+  @property
+  def length(self) -> int:
+    if not self.sizes:
+      return 0
+    return self.offsets[-1] + padded(self.sizes[-1], self.block)
+
+  @property
+  def padded_sizes(self) -> Tuple[int, ...]:
+    return tuple(padded(n, self.block) for n in self.sizes)
+
+  @property
+  def pads(self) -> np.ndarray:
+    """Padding entries of each segment (float32 (S,))."""
+    return np.asarray([p - n for p, n in zip(self.padded_sizes, self.sizes)], np.float32)
+
+  @property
+  def has_pads(self) -> bool:
+    return any(p != n for p, n in zip(self.padded_sizes, self.sizes))
+
+  @functools.cached_property
+  def row_segment(self) -> np.ndarray:
+    """int32 (rows,): the segment of each row of ``block`` entries."""
+    return np.repeat(np.arange(self.count, dtype=np.int32),
+                     [p // self.block for p in self.padded_sizes])
+
+  @functools.cached_property
+  def row_valid(self) -> np.ndarray:
+    """int32 (rows,): how many entries of each row are not padding."""
+    out = []
+    for n, p in zip(self.sizes, self.padded_sizes):
+      r = np.full(p // self.block, self.block, np.int32)
+      if n < p:
+        r[-1] = n - (p // self.block - 1) * self.block
+      out.append(r)
+    return np.concatenate(out) if out else np.zeros((0,), np.int32)
+
+  def rows(self, v: jax.Array) -> jax.Array:
+    return v.reshape(-1, self.block)
+
+  def sum(self, v: jax.Array) -> jax.Array:
+    """Per-segment sums of ``v`` (length ``length``): (S,)."""
+    if self.count == 1:
+      return jnp.sum(v)[None]
+    return jax.ops.segment_sum(jnp.sum(self.rows(v), axis=1), self.row_segment, self.count,
+                               indices_are_sorted=True)
+
+  def max(self, v: jax.Array) -> jax.Array:
+    """Per-segment maxima of ``v``: (S,)."""
+    if self.count == 1:
+      return jnp.max(v)[None]
+    return jax.ops.segment_max(jnp.max(self.rows(v), axis=1), self.row_segment, self.count,
+                               indices_are_sorted=True)
+
+  def spread(self, values: jax.Array) -> jax.Array:
+    """(S,) per-segment values -> (length,), each entry its segment's value."""
+    if self.count == 1:
+      return jnp.broadcast_to(values[0], (self.length,))
+    rows = values[self.row_segment]
+    return jnp.broadcast_to(rows[:, None], (rows.shape[0], self.block)).reshape(-1)
+
+  def valid(self) -> jax.Array:
+    """bool (length,): True where an entry belongs to a leaf (not padding)."""
+    if not self.has_pads:
+      return jnp.ones((self.length,), bool)
+    col = jax.lax.broadcasted_iota(jnp.int32, (self.length // self.block, self.block), 1)
+    return (col < jnp.asarray(self.row_valid)[:, None]).reshape(-1)
+
+  def segment(self, x: jax.Array, s: int) -> jax.Array:
+    """The entries of segment ``s`` (without padding)."""
+    return jax.lax.slice_in_dim(x, self.offsets[s], self.offsets[s] + self.sizes[s])
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  """One bucket: its exchange, the leaves it holds (tree-order indices) and their segments."""
+
+  exchange: Any
+  leaves: Tuple[int, ...]
+  segments: Segments
+
+  @property
+  def length(self) -> int:
+    return self.segments.length
+
+
+def _block(exchange) -> int:
+  return int(getattr(exchange, "block", 1))
+
+
+def plan(shapes: Sequence[Tuple[int, ...]], route: Callable, dense_exchange: Any,
+         bucket_bytes: int, min_size: int, dense: Sequence[bool] | None = None) -> Tuple[Bucket, ...]:
+  """Lays leaves of ``shapes`` out in buckets.
+
+  Leaves are taken in reverse tree order; empty leaves are skipped; a leaf of
+  fewer than ``min_size`` entries, or one ``dense`` marks, goes to
+  ``dense_exchange``. Leaves of the same exchange fill buckets of at most
+  ``bucket_bytes`` (float32 entries, padding included) in that order; a leaf
+  larger than a bucket gets one of its own.
+  """
+  order: dict = {}
+  for i in reversed(range(len(shapes))):
+    n = _prod(shapes[i])
+    if n == 0:
+      continue
+    exchange, view = route(tuple(shapes[i]))
+    if n < min_size or (dense is not None and dense[i]):
+      exchange, view = dense_exchange, (n,)
+    order.setdefault(exchange, []).append((i, n, tuple(view)))
+  buckets = []
+  for exchange, items in order.items():
+    block = _block(exchange)
+    current: list = []
+    used = 0
+    for i, n, view in items:
+      size = 4 * padded(n, block)
+      if current and used + size > bucket_bytes:
+        buckets.append(_bucket(exchange, current, block))
+        current, used = [], 0
+      current.append((i, n, view))
+      used += size
+    if current:
+      buckets.append(_bucket(exchange, current, block))
+  return tuple(buckets)
+
+
+def _bucket(exchange, items, block) -> Bucket:
+  offsets, at = [], 0
+  for _, n, _ in items:
+    offsets.append(at)
+    at += padded(n, block)
+  segs = Segments(tuple(offsets), tuple(n for _, n, _ in items), tuple(v for _, _, v in items), block)
+  return Bucket(exchange, tuple(i for i, _, _ in items), segs)
+
+
+def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array]) -> list:
+  """The leaves in their buckets: one float32 vector per bucket, padding zero."""
+  out = []
+  for b in buckets:
+    parts = []
+    for s, i in enumerate(b.leaves):
+      flat = jnp.ravel(leaves[i]).astype(jnp.float32)
+      pad = b.segments.padded_sizes[s] - b.segments.sizes[s]
+      parts.append(jnp.pad(flat, (0, pad)) if pad else flat)
+    out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+  return out
+
+
+def unpack(buckets: Sequence[Bucket], vectors: Sequence[jax.Array], like: Sequence[Any]) -> list:
+  """Inverse of :func:`pack`: leaves shaped (and typed) like ``like``; empty leaves are zeros."""
+  shapes = [np.shape(x) for x in like]
+  dtypes = [x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype for x in like]
+  out: list = [jnp.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
+  for b, v in zip(buckets, vectors):
+    for s, i in enumerate(b.leaves):
+      out[i] = b.segments.segment(v, s).reshape(shapes[i]).astype(dtypes[i])
+  return out
+
+
+def dense_flags(mask: Any, updates: Any) -> list | None:
+  """An optax-style mask (a pytree of bools, or a callable of the updates) -> one bool per leaf."""
+  if mask is None:
+    return None
+  tree = mask(updates) if callable(mask) else mask
+  flags = jax.tree.leaves(tree)
+  n = len(jax.tree.leaves(updates))
+  if len(flags) != n or not all(isinstance(f, (bool, np.bool_)) for f in flags):
+    raise ValueError(
+        f"dense must be a pytree of bools with one entry per gradient leaf ({n}), or a callable"
+        f" returning one; got {len(flags)} entries: {tree!r}")
+  return [bool(f) for f in flags]
