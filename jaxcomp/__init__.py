@@ -6,52 +6,42 @@ sent compressed, with error feedback in an explicit state.
 """
 
 from jaxcomp.collectives.wire import collective_bytes, measure_wire_bytes
-from jaxcomp.core import CompressState, CompressionTransformation, Method, build, wire_bytes
+from jaxcomp.core import CompressState, CompressionTransformation, Method, build, memory_tree, wire_bytes
 from jaxcomp.devices import cpu_devices
 from jaxcomp.sharding import local, per_worker, stacked
+from jaxcomp.transforms.acpsgd import acpsgd
+from jaxcomp.transforms.codes import inceptionn, sketchml
 from jaxcomp.transforms.dense import bf16, fp16, none
+from jaxcomp.transforms.dgc import dgc, warmup_schedule as dgc_warmup_schedule
 from jaxcomp.transforms.lowrank import powersgd
-from jaxcomp.transforms.quantize import qsgd
-from jaxcomp.transforms.sign import efsignsgd, signsgd
+from jaxcomp.transforms.quantize import natural, qsgd, terngrad, u8bit
+from jaxcomp.transforms.redsync import redsync
+from jaxcomp.transforms.sbc import sbc
+from jaxcomp.transforms.sign import efsignsgd, onebit, signsgd, signum
 from jaxcomp.transforms.sparse import randomk, topk
+from jaxcomp.transforms.threshold import adaq, threshold
 
-# name -> factory, for the benchmark and the examples' --method flag.
+# name -> factory, for the benchmarks and the examples' --method flag.
 METHODS = {
-    "none": none, "fp16": fp16, "bf16": bf16, "topk": topk, "randomk": randomk,
-    "qsgd": qsgd, "signsgd": signsgd, "efsignsgd": efsignsgd, "powersgd": powersgd,
-}
-
-# --- GRACE quantizers (issue 3): add imports and METHODS entries below this line ---
-from jaxcomp.transforms.codes import inceptionn, sketchml  # noqa: E402
-from jaxcomp.transforms.quantize import natural, terngrad, u8bit  # noqa: E402
-
-METHODS.update({
-    "terngrad": terngrad, "natural": natural, "u8bit": u8bit, "sketchml": sketchml,
+    # dense baselines
+    "none": none, "fp16": fp16, "bf16": bf16,
+    # sparsifiers
+    "topk": topk, "randomk": randomk, "threshold": threshold, "dgc": dgc, "adaq": adaq,
+    # quantizers
+    "qsgd": qsgd, "terngrad": terngrad, "natural": natural, "u8bit": u8bit, "sketchml": sketchml,
     "inceptionn": inceptionn,
-})
-
-# --- GRACE sparsifiers and sign methods (issue 3): add below this line ---
-from jaxcomp.transforms.dgc import dgc, warmup_schedule as dgc_warmup_schedule  # noqa: E402
-from jaxcomp.transforms.sign import onebit, signum  # noqa: E402
-from jaxcomp.transforms.threshold import adaq, threshold  # noqa: E402
-
-METHODS.update({"threshold": threshold, "dgc": dgc, "signum": signum, "onebit": onebit, "adaq": adaq})
-
-# --- ACP-SGD and RedSync (issue 4): add below this line ---
-from jaxcomp.transforms.acpsgd import acpsgd  # noqa: E402
-from jaxcomp.transforms.redsync import redsync  # noqa: E402
-
-METHODS.update({"acpsgd": acpsgd, "redsync": redsync})
-
-# --- Sparse Binary Compression (issue 4): add below this line ---
-from jaxcomp.transforms.sbc import sbc  # noqa: E402
-
-METHODS.update({"sbc": sbc})
+    # sign methods
+    "signsgd": signsgd, "efsignsgd": efsignsgd, "signum": signum, "onebit": onebit,
+    # low rank
+    "powersgd": powersgd, "acpsgd": acpsgd,
+    # systems
+    "redsync": redsync, "sbc": sbc,
+}
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CompressState", "CompressionTransformation", "Method", "METHODS", "build",
-    "collective_bytes", "cpu_devices", "dgc_warmup_schedule", "local", "measure_wire_bytes",
+    "collective_bytes", "cpu_devices", "dgc_warmup_schedule", "local", "measure_wire_bytes", "memory_tree",
     "per_worker", "stacked", "wire_bytes",
 ] + sorted(METHODS)

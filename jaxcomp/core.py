@@ -87,7 +87,9 @@ class Memory:
       return scaled
     return jax.tree.map(lambda g, e: self.beta * e.astype(jnp.float32) + g, scaled, state)
 
-  def update(self, x: Any, sent: Any, state: Any) -> Any:
+  def update(self, x: Any, sent: Any, state: Any, buckets: Any = None) -> Any:
+    """``buckets``: the step's :class:`jaxcomp.layout.Bucket` tuple (``b.exchange is DENSE`` marks a dense one)."""
+    del buckets
     if not self.enabled:
       return ()
 
@@ -505,8 +507,11 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
     raise ValueError(f"seed must fit in int64, got seed={seed!r}")
   bucket_bytes = _positive_int("bucket_bytes", bucket_bytes, 4)
   min_size = _positive_int("min_size", min_size, 0)
-  if dense is not None and not callable(dense) and not jax.tree.leaves(dense):
-    raise ValueError(f"dense must be a pytree of bools or a callable returning one, got dense={dense!r}")
+  if dense is not None and not callable(dense):
+    flags = jax.tree.leaves(dense)
+    if not flags or not all(isinstance(f, (bool, np.bool_)) for f in flags):
+      raise ValueError("dense must be None, a pytree of bools like the gradients (an optax-style"
+                       f" mask) or a callable returning one, got dense={dense!r}")
   method = dataclasses.replace(
       method, bucket_bytes=method.bucket_bytes if bucket_bytes is None else bucket_bytes,
       min_size=method.min_size if min_size is None else min_size,
@@ -541,7 +546,7 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
     local = [jnp.where(b.segments.valid(), s, 0.0) if b.segments.has_pads else s
              for b, s in zip(buckets, local)]
     mean, local, extra = _guard_nonfinite(buckets, x, mean, local, extra, state, axis)
-    memory = method.memory.update(tuple(x), tuple(local), state.memory)   # residual
+    memory = method.memory.update(tuple(x), tuple(local), state.memory, buckets)  # residual
     out = layout.unpack(buckets, method.memory.output(tuple(mean)), leaves)
     new_state = CompressState(
         count=optax.safe_int32_increment(state.count), key=key,

@@ -196,12 +196,16 @@ def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array]) -> list:
   """The leaves in their buckets: one float32 vector per bucket, padding zero."""
   out = []
   for b in buckets:
+    segs = b.segments
+    if len(b.leaves) == 1 and not segs.has_pads:
+      out.append(jnp.ravel(leaves[b.leaves[0]]).astype(jnp.float32))
+      continue
     parts = []
     for s, i in enumerate(b.leaves):
       flat = jnp.ravel(leaves[i]).astype(jnp.float32)
-      pad = b.segments.padded_sizes[s] - b.segments.sizes[s]
+      pad = segs.padded_sizes[s] - segs.sizes[s]
       parts.append(jnp.pad(flat, (0, pad)) if pad else flat)
-    out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+    out.append(jnp.concatenate(parts))
   return out
 
 
@@ -221,8 +225,10 @@ def dense_flags(mask: Any, updates: Any) -> list | None:
   if mask is None:
     return None
   tree = mask(updates) if callable(mask) else mask
-  flags = jax.tree.leaves(tree)
   n = len(jax.tree.leaves(updates))
+  if isinstance(tree, (bool, np.bool_)):
+    return [bool(tree)] * n
+  flags = jax.tree.leaves(tree)
   if len(flags) != n or not all(isinstance(f, (bool, np.bool_)) for f in flags):
     raise ValueError(
         f"dense must be a pytree of bools with one entry per gradient leaf ({n}), or a callable"

@@ -30,11 +30,12 @@ from jax import lax
 
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
-from jaxcomp.transforms import _args, selection
+from jaxcomp.layout import Segments
+from jaxcomp.transforms import _args, segtopk
 
 CHUNK = 65536  # entries per chunk of the "chunk16" position code
-TRIMMED_MIN = 65536  # longer leaves select their exact top-k by RedSync's trimmed top-k
 SELECTIONS = ("exact", "chunked")
+SCOPES = ("layer", "bucket")
 POSITIONS = ("chunk16", "global")
 VALUE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -95,41 +96,47 @@ def _offset_dtype(block: int):
 
 @dataclasses.dataclass(frozen=True)
 class TopKCodec(Codec):
-  """The k largest |x| of the vector: values + positions (``chunk16`` or ``global``)."""
+  """The k largest |x| of each leaf (``scope="layer"``) or of the bucket: values + positions."""
 
   ratio: float
   positions: str = "chunk16"
   values: str = "float32"
+  scope: str = "layer"
+  block = 128
+
+  def _segments(self, segs: Segments) -> Segments:
+    if self.scope == "layer":
+      return segs
+    return Segments((0,), (segs.length,), ((segs.length,),), segs.block)
+
+  def _k(self, segs: Segments) -> np.ndarray:
+    if self.scope == "layer":
+      return np.asarray([_args.count(self.ratio, n) for n in segs.sizes], np.int64)
+    return np.asarray([_args.count(self.ratio, sum(segs.sizes))], np.int64)
 
   def _chunked(self, n: int) -> bool:
     return self.positions == "chunk16" and n > CHUNK
 
-  def encode(self, x, key):
-    n = x.shape[0]
-    k = _args.count(self.ratio, n)
-    if n > TRIMMED_MIN:
-      # The same k entries as lax.top_k (ties to lower indices) without its
-      # sort: several times faster on long vectors. Slots past the count
-      # (only when fewer than k entries are not NaN, a step the builder
-      # discards) hold n.
-      idx = selection.trimmed_topk(x, k).indices
-    else:
-      _, idx = lax.top_k(jnp.abs(x), k)
+  def encode(self, x, key, segs):
+    n = segs.length
+    idx = segtopk.segmented_topk(x, self._segments(segs), self._k(segs))
+    values = x[jnp.minimum(idx, n - 1)].astype(self.values)
     if not self._chunked(n):
-      return x[idx].astype(self.values), idx.astype(_args.index_dtype(n))
-    idx = jnp.sort(idx)
-    return (x[idx].astype(self.values),) + chunk16_encode(idx, n)
+      return values, idx.astype(_args.index_dtype(n))
+    return (values,) + chunk16_encode(idx, n)
 
   def _positions(self, payload, n):
     if not self._chunked(n):
       return payload[1].astype(jnp.int32)
     return chunk16_decode(payload[1], payload[2])
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
+    n = segs.length
     return jnp.zeros((n,), jnp.float32).at[self._positions(payload, n)].set(
-        payload[0].astype(jnp.float32), unique_indices=True)
+        payload[0].astype(jnp.float32), mode="drop", unique_indices=True)
 
-  def aggregate(self, gathered, key, n, num):
+  def aggregate(self, gathered, key, segs, num):
+    n = segs.length
     pos = jax.vmap(lambda p: self._positions(p, n))(gathered)
     return scatter_mean(gathered[0], pos, n, num)
 
@@ -146,7 +153,7 @@ class ChunkedTopKCodec(Codec):
     b = min(self.block, n)
     return b, -(-n // b), _args.count(self.ratio, b)
 
-  def encode(self, x, key):
+  def encode(self, x, key, segs):
     n = x.shape[0]
     b, rows, kb = self._layout(n)
     if rows * b != n:
@@ -161,19 +168,22 @@ class ChunkedTopKCodec(Codec):
     base = jnp.repeat(jnp.arange(rows, dtype=jnp.int32) * b, kb, total_repeat_length=rows * kb)
     return base + off.astype(jnp.int32)
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
+    n = segs.length
     vals, off = payload
     return jnp.zeros((n,), jnp.float32).at[self._positions(off, n)].set(
         vals.astype(jnp.float32), mode="drop", unique_indices=True)
 
-  def aggregate(self, gathered, key, n, num):
+  def aggregate(self, gathered, key, segs, num):
+    n = segs.length
     vals, off = gathered
     return scatter_mean(vals, jax.vmap(lambda o: self._positions(o, n))(off), n, num)
 
 
 def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
          selection: str = "exact", positions: str = "chunk16", values: str = "float32",
-         block: int | None = None):
+         block: int | None = None, scope: str = "layer", bucket_bytes: int | None = None,
+         min_size: int | None = None, dense=None):
   """Top-k sparsification with error feedback (all-gather of values + positions).
 
   Each leaf (flattened, n entries) keeps its entries of largest magnitude;
@@ -205,6 +215,12 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
       not absorb) or ``"bfloat16"``.
     block: block length b for ``selection="chunked"``, in [1, 65536];
       default :func:`default_block` (ratio 0.01: 1024).
+    scope: for the exact selection, ``"layer"`` (default, as GRACE): the k
+      largest of each leaf, found for all leaves of a bucket by one segmented
+      search; ``"bucket"``: the ``ceil(ratio * m)`` largest of the whole
+      bucket of m entries (one selection over fused layers, as in bucketed
+      top-k systems), positions relative to the bucket.
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Aji & Heafield, *Sparse Communication for Distributed Gradient Descent*,
@@ -220,30 +236,44 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
   if block is not None and sel != "chunked":
     raise ValueError(f"block applies to selection='chunked' only, got block={block!r} with"
                      f" selection={sel!r}")
+  sc = _args.choice("scope", scope, SCOPES)
   if sel == "chunked":
+    if sc != "layer":
+      raise ValueError(f"scope applies to selection='exact' only, got scope={sc!r} with selection='chunked'")
     b = default_block(r) if block is None else _args.integer("block", block, 1, CHUNK)
     codec = ChunkedTopKCodec(r, b, val)
   else:
-    codec = TopKCodec(r, pos, val)
-  return build(Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed)
+    codec = TopKCodec(r, pos, val, sc)
+  return build(Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes, min_size, dense)
 
 
 # ----------------------------------------------------------------------------
 # Random-k
 
 
-def random_positions(key: jax.Array, n: int, ratio: float):
-  """Random-k positions: one uniform position in each stratum of ``c = ceil(n / k)``.
+def random_positions(key: jax.Array, segs: Segments, ratio: float):
+  """Random-k positions in a bucket: exactly ``k_s = max(1, ceil(ratio * n_s))`` per segment.
 
-  Returns ``(positions, c)``; ``positions`` has ``ceil(n / c)`` int32 entries,
-  distinct, some possibly ``>= n`` in the last stratum (those send nothing).
-  Every entry is chosen with probability exactly ``1 / c``, with no sort.
+  Segment ``s`` is cut into ``k_s`` strata ``[floor(j n_s / k_s), floor((j + 1) n_s / k_s))``
+  (lengths differ by at most one) and one uniform position is drawn in each.
+  Returns ``(positions, lengths)``: int32 bucket positions ``(sum k,)``,
+  distinct and ascending, and each stratum's length (an entry of a stratum
+  of length c is picked with probability 1/c), with no permutation or sort.
   """
-  k = _args.count(ratio, n)
-  c = -(-n // k)
-  strata = -(-n // c)
-  offsets = jax.random.randint(key, (strata,), 0, c, dtype=jnp.int32)
-  return jnp.arange(strata, dtype=jnp.int32) * c + offsets, c
+  starts, lengths = _strata(segs, ratio)
+  u = jax.random.randint(key, (starts.shape[0],), 0, np.iinfo(np.int32).max, dtype=jnp.int32)
+  return jnp.asarray(starts) + u % jnp.asarray(lengths), lengths
+
+
+def _strata(segs: Segments, ratio: float):
+  starts, lengths = [], []
+  for off, n in zip(segs.offsets, segs.sizes):
+    k = _args.count(ratio, n)
+    edges = (np.arange(k + 1, dtype=np.int64) * n) // k
+    starts.append(off + edges[:-1])
+    lengths.append(np.diff(edges))
+  return (np.concatenate(starts).astype(np.int32), np.concatenate(lengths).astype(np.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,34 +285,36 @@ class RandomKCodec(Codec):
   linear = True
   shared_key = True
 
-  def encode(self, x, key):
-    n = x.shape[0]
-    pos, c = random_positions(key, n, self.ratio)
-    values = jnp.where(pos < n, x[jnp.minimum(pos, n - 1)], 0.0)
-    return values * c if self.unbiased else values
+  def encode(self, x, key, segs):
+    pos, lengths = random_positions(key, segs, self.ratio)
+    values = x[pos]
+    return values * jnp.asarray(lengths, jnp.float32) if self.unbiased else values
 
-  def decode(self, payload, key, n):
-    pos, _ = random_positions(key, n, self.ratio)
-    return jnp.zeros((n,), jnp.float32).at[pos].set(payload, mode="drop")
+  def decode(self, payload, key, segs):
+    pos, _ = random_positions(key, segs, self.ratio)
+    return jnp.zeros((segs.length,), jnp.float32).at[pos].set(payload, unique_indices=True)
 
 
 def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True,
-            unbiased: bool = False, seed: int = 0):
+            unbiased: bool = False, seed: int = 0, bucket_bytes: int | None = None,
+            min_size: int | None = None, dense=None):
   """Random-k sparsification; positions come from the shared key, values are psum-ed.
 
   Every worker draws the same positions from the state's key (split each
-  step), so only the k float32 values cross the wire and they add linearly.
-  Positions are stratified: one uniform position in each run of
-  ``c = ceil(n / ceil(ratio * n))`` entries, so each entry is picked with
-  probability ``1/c`` and no permutation or sort is needed.
+  step), so only the values cross the wire and they add linearly. Each leaf
+  sends exactly ``k = max(1, ceil(ratio * n))`` values: it is cut into k
+  strata of ``floor(n / k)`` or ``ceil(n / k)`` entries and one uniform
+  position is drawn in each, so an entry of a stratum of length c is picked
+  with probability ``1/c`` and no permutation or sort is needed.
 
   Args:
     ratio: fraction of entries sent, in (0, 1] (GRACE's default 0.3; 0.01 here).
     axis_name: the data-parallel axis, or None.
     error_feedback: keep unsent entries in the residual (default True).
-    unbiased: scale the sent values by ``c`` so that the estimate is unbiased
-      (use with ``error_feedback=False``).
+    unbiased: scale each sent value by its stratum's length ``c`` so that the
+      estimate is unbiased (use with ``error_feedback=False``).
     seed: seeds the shared key.
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Stich et al., *Sparsified SGD with Memory*, NeurIPS 2018; Wangni et al.,
@@ -293,4 +325,5 @@ def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: boo
   ef = _args.flag("error_feedback", error_feedback)
   ub = _args.flag("unbiased", unbiased)
   codec = RandomKCodec(r, ub)
-  return build(Method("randomk", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed)
+  return build(Method("randomk", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes, min_size, dense)
