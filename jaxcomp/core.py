@@ -521,8 +521,10 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
     key = jax.random.PRNGKey(seed)
     buckets = method.buckets(params)
     zeros = tuple(jnp.zeros((b.length,), jnp.float32) for b in buckets)
-    extra = tuple(b.exchange.init_bucket(b.segments, jax.random.fold_in(key, i))
-                  for i, b in enumerate(buckets))
+    # A fused method calls its groups in the group form: their state is the group form's.
+    init = (lambda b, k: Exchange.init_bucket(b.exchange, b.segments, k)) if method.fused is not None \
+        else (lambda b, k: b.exchange.init_bucket(b.segments, k))
+    extra = tuple(init(b, jax.random.fold_in(key, i)) for i, b in enumerate(buckets))
     return CompressState(
         count=jnp.zeros((), jnp.int32), key=key,
         memory=method.memory.init(zeros), extra=extra, phase=jnp.zeros((), jnp.uint32))
@@ -595,7 +597,9 @@ def memory_tree(tx: Any, state: CompressState, params: Any) -> Any:
   The state keeps the memory in the bucket layout; this cuts every bucket
   vector of it back into leaves (leaves no bucket holds, empty ones, are
   zeros). A memory with several fields (DGC's momentum and accumulation)
-  gives the same structure with a tree in each field.
+  gives the same structure with a tree in each field. A per-worker state
+  (leading worker axis, :func:`jaxcomp.per_worker`) gives leaves with that
+  axis in front.
   """
   method = tx.method
   buckets = method.buckets(params)

@@ -126,8 +126,8 @@ class Segments:
     return (col < jnp.asarray(self.row_valid)[:, None]).reshape(-1)
 
   def segment(self, x: jax.Array, s: int) -> jax.Array:
-    """The entries of segment ``s`` (without padding)."""
-    return jax.lax.slice_in_dim(x, self.offsets[s], self.offsets[s] + self.sizes[s])
+    """The entries of segment ``s`` (without padding), on the last axis."""
+    return jax.lax.slice_in_dim(x, self.offsets[s], self.offsets[s] + self.sizes[s], axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,13 +210,17 @@ def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array]) -> list:
 
 
 def unpack(buckets: Sequence[Bucket], vectors: Sequence[jax.Array], like: Sequence[Any]) -> list:
-  """Inverse of :func:`pack`: leaves shaped (and typed) like ``like``; empty leaves are zeros."""
-  shapes = [np.shape(x) for x in like]
+  """Inverse of :func:`pack`: leaves shaped (and typed) like ``like``; empty leaves are zeros.
+
+  Leading axes of the bucket vectors (a worker axis) are kept in front of each leaf's shape.
+  """
+  shapes = [tuple(np.shape(x)) for x in like]
   dtypes = [x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype for x in like]
-  out: list = [jnp.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
+  lead = tuple(np.shape(vectors[0])[:-1]) if len(vectors) else ()
+  out: list = [jnp.zeros(lead + shape, dtype) for shape, dtype in zip(shapes, dtypes)]
   for b, v in zip(buckets, vectors):
     for s, i in enumerate(b.leaves):
-      out[i] = b.segments.segment(v, s).reshape(shapes[i]).astype(dtypes[i])
+      out[i] = b.segments.segment(v, s).reshape(lead + shapes[i]).astype(dtypes[i])
   return out
 
 

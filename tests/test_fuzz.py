@@ -172,7 +172,7 @@ def _assert_state_finite(state, what):
 
 def _carries_nonfinite(tx) -> bool:
   """The dense float psums (none, fp16, bf16): NaN/Inf stay where lax.pmean puts them."""
-  return all(ex.carries_nonfinite for ex, _, _ in tx.method.plan(jax.tree.leaves(_tree())))
+  return all(b.exchange.carries_nonfinite for b in tx.method.buckets(_tree()))
 
 
 def _assert_replicas_agree(out, what):
@@ -205,7 +205,8 @@ def _residual_keeps_its_input(tx, grads, state0, state1):
   mem = tx.method.memory
   if type(mem) is not Memory or not mem.enabled:
     return
-  for g, e0, e1 in zip(*(jax.tree.leaves(t) for t in (grads, state0.memory, state1.memory))):
+  old, new = (jaxcomp.memory_tree(tx, st, _tree()) for st in (state0, state1))
+  for g, e0, e1 in zip(*(jax.tree.leaves(t) for t in (grads, old, new))):
     terms = mem.beta * np.asarray(e0, np.float64), mem.gamma * np.asarray(g, np.float64)
     x = terms[0] + terms[1]
     finite = np.isfinite(x)

@@ -69,12 +69,26 @@ def test_error_feedback_conserves_every_value(name):
   for step in range(3):
     grads = jax.tree.map(lambda g: g[0], worker_grads(params, seed=10 + step, n=1))
     out, new_state = update(grads, state)
-    for g, e, e2, o in zip(*(jax.tree.leaves(t) for t in (grads, state.memory, new_state.memory, out))):
+    old, new = (jaxcomp.memory_tree(tx, st, params) for st in (state, new_state))
+    for g, e, e2, o in zip(*(jax.tree.leaves(t) for t in (grads, old, new, out))):
       sent = mem.gamma * np.asarray(o, np.float64)
       np.testing.assert_allclose(sent + np.asarray(e2, np.float64),
                                  mem.beta * np.asarray(e, np.float64) + mem.gamma * np.asarray(g, np.float64),
                                  rtol=1e-5, atol=1e-5)
     state = new_state
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_state_is_float32_with_bf16_parameters(name):
+  """Accumulating state (residuals, momenta, factors) is float32 whatever the parameters' dtype."""
+  tx = jaxcomp.METHODS[name](axis_name=None)
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params_tree())
+  state = tx.init(params)
+  for leaf in jax.tree.leaves((state.memory, state.extra)):
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+      assert leaf.dtype == jnp.float32, (name, leaf.dtype)
+  out, _ = jax.jit(tx.update)(params, state)
+  assert all(o.dtype == jnp.bfloat16 for o in jax.tree.leaves(out))
 
 
 @pytest.mark.parametrize("name", METHODS)

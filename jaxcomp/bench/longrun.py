@@ -66,7 +66,8 @@ def _residual_norm(state):
   import jax
   import jax.numpy as jnp
 
-  kept = [e.residual for e in state.extra if hasattr(e, "residual")]
+  has = lambda e: hasattr(e, "residual")  # noqa: E731
+  kept = [e.residual for e in jax.tree.leaves(state.extra, is_leaf=has) if has(e)]
   leaves = [x for x in jax.tree.leaves((state.memory, kept)) if jnp.issubdtype(x.dtype, jnp.floating)]
   if not leaves:
     return jnp.zeros((), jnp.float32)

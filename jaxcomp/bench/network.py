@@ -107,13 +107,12 @@ class Cache:
     return value
 
 
-def split(shapes, whole: bool = False) -> list:
-  """The model's leaves as programs to compile: all at once, or one per distinct shape.
+def split(shapes, whole: bool = True) -> list:
+  """The model's leaves as programs to compile: all at once (default), or one per distinct shape.
 
-  Leaves of one shape always travel in one group, so per-shape programs carry
-  the same payloads as the whole model's; they compile in seconds where the
-  whole model's program takes minutes (its compile time grows faster than the
-  number of leaves).
+  With buckets the whole model's program is what a user compiles and what
+  sends the model's real payloads (leaves of several shapes share a bucket
+  and a collective); ``--by-shape`` keeps the older per-shape programs.
   """
   if whole:
     return [list(shapes)]
@@ -304,8 +303,8 @@ def main(argv=None) -> None:
   parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "jaxcomp",
                                                       "network.json"))
   parser.add_argument("--remeasure", action="store_true", help="ignore cached measurements")
-  parser.add_argument("--whole", action="store_true",
-                      help="compile and time each model as one program (default: one per distinct shape)")
+  parser.add_argument("--by-shape", action="store_true",
+                      help="compile and time one program per distinct shape (default: the whole model)")
   parser.add_argument("--quick", action="store_true", help="ResNet-50 only, N=8,64, no decode measurement")
   args = parser.parse_args(argv)
 
@@ -348,8 +347,8 @@ def main(argv=None) -> None:
 
   measured: dict[str, dict[str, dict]] = {}
   for model in models:
-    parts = split(shp.MODELS[model](), args.whole)
-    how = "whole" if args.whole else "by-shape"
+    parts = split(shp.MODELS[model](), not args.by_shape)
+    how = "by-shape" if args.by_shape else "whole"
     measured[model] = {}
     for label, factory, kw in entries:
       rec = {"traffic": cache.get(_cache_key("traffic", model, how, label, kw),
@@ -395,7 +394,7 @@ def main(argv=None) -> None:
           dec = max(0.0, d) / rt["copy_seconds"] * scale if args.compress == "scaled" else max(0.0, d)
       gathered = tot["all-gather"] > 0
       inputs[label] = (tr["collectives"], comp, dec, gathered, tot)
-      eq = _agreement(tot["total"], tr["nominal"], factory, kw, split(shapes, args.whole))
+      eq = _agreement(tot["total"], tr["nominal"], factory, kw, split(shapes, not args.by_shape))
       dec_txt = ("n/a" if not gathered else
                  ("not measured" if rec.get("decode") is None and args.compress != "zero" else f"{dec * 1e3:.2f}"))
       settings = ",".join(f"{k}={v}" for k, v in kw.items())

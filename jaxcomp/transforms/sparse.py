@@ -146,11 +146,11 @@ class ChunkedTopKCodec(Codec):
   """The ``ceil(ratio * b)`` largest |x| of each block of ``b``: values + in-block offsets."""
 
   ratio: float
-  block: int
+  chunk: int
   values: str = "float32"
 
   def _layout(self, n: int):
-    b = min(self.block, n)
+    b = min(self.chunk, n)
     return b, -(-n // b), _args.count(self.ratio, b)
 
   def encode(self, x, key, segs):
