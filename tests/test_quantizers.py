@@ -5,6 +5,8 @@ unbiasedness of the stochastic ones (with a tolerance derived from a variance
 bound), the payload size at the defaults, argument checks, and pmap ==
 shard_map with measured == nominal wire bytes for non-default settings (the
 defaults are covered for every registered method by test_properties.py).
+Every codec (the sign codecs too) runs on a bucket of several leaves with
+padding, and keeps its per-leaf meaning there.
 """
 
 import functools
@@ -21,35 +23,75 @@ from hypothesis.extra import numpy as hnp
 
 import jaxcomp
 from jaxcomp.collectives import packing
+from jaxcomp.layout import Segments, padded
 from jaxcomp.transforms.codes import InceptionnCodec, SketchCodec, lsb_exponent, sample_positions
-from jaxcomp.transforms.quantize import NaturalCodec, TernGradCodec, U8bitCodec, dettmers_table
+from jaxcomp.transforms.quantize import NaturalCodec, QSGDCodec, TernGradCodec, U8bitCodec, dettmers_table
+from jaxcomp.transforms.sign import OneBitCodec, ScaledSignCodec, SignCodec
 from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, pmap_wire_bytes,
                      run_pmap, run_shard_map, worker_grads)
 
 KEY = jax.random.PRNGKey(42)
 
 
+def _segments(sizes, block):
+  """A bucket holding leaves of ``sizes`` entries, each padded to a multiple of ``block``."""
+  offsets = np.cumsum([0] + [padded(n, block) for n in sizes[:-1]])
+  return Segments(tuple(int(o) for o in offsets), tuple(sizes), tuple((n,) for n in sizes), block)
+
+
+def _bucket(segs, xs):
+  """The leaves ``xs`` laid out in ``segs`` (zero padding)."""
+  out = np.zeros(segs.length, np.float32)
+  for o, x in zip(segs.offsets, xs):
+    out[o:o + len(x)] = x
+  return jnp.asarray(out)
+
+
 @functools.cache
-def _codec_fn(codec, n):
-  """Jitted ``(x, key) -> (payload, decode(payload))`` for one codec and length."""
+def _codec_fn(codec, sizes):
+  """Jitted ``(bucket, key) -> (payload, decode(payload))`` for one codec and bucket of leaves."""
+  segs = _segments(sizes, codec.block)
+
   def f(x, key):
-    payload = codec.encode(x, key)
-    return payload, codec.decode(payload, key, n)
+    payload = codec.encode(x, key, segs)
+    return payload, codec.decode(payload, key, segs)
   return jax.jit(f)
 
 
 def _round_trip(codec, x, key=KEY):
-  x = jnp.asarray(x, jnp.float32)
-  payload, dec = _codec_fn(codec, x.shape[0])(x, key)
-  return jax.tree.map(np.asarray, payload), np.asarray(dec)
+  """One leaf in a bucket of its own: the payload and the leaf's decode (padding cut off)."""
+  x = np.asarray(x, np.float32)
+  n = x.shape[0]
+  payload, dec = _codec_fn(codec, (n,))(_bucket(_segments((n,), codec.block), [x]), key)
+  return jax.tree.map(np.asarray, payload), np.asarray(dec)[:n]
+
+
+def _bucket_round_trip(codec, xs, key=KEY):
+  """Several leaves in one bucket: the payload and each leaf's decode."""
+  sizes = tuple(len(x) for x in xs)
+  segs = _segments(sizes, codec.block)
+  payload, dec = _codec_fn(codec, sizes)(_bucket(segs, xs), key)
+  dec = np.asarray(dec)
+  return jax.tree.map(np.asarray, payload), [dec[o:o + n] for o, n in zip(segs.offsets, sizes)]
 
 
 @functools.cache
-def _trials_fn(codec, n, trials):
+def _trials_fn(codec, sizes, trials):
+  """``trials`` round trips of one bucket of leaves with independent keys: decodes ``(trials, length)``."""
+  segs = _segments(sizes, codec.block)
+
   def f(x, key):
     keys = jax.random.split(key, trials)
-    return jax.vmap(lambda k: codec.decode(codec.encode(x, k), k, n))(keys)
+    return jax.vmap(lambda k: codec.decode(codec.encode(x, k, segs), k, segs))(keys)
   return jax.jit(f)
+
+
+def _trials(codec, x, trials, key=KEY):
+  """Decodes of one leaf over ``trials`` keys, ``(trials, n)``."""
+  x = np.asarray(x, np.float32)
+  n = x.shape[0]
+  draws = _trials_fn(codec, (n,), trials)(_bucket(_segments((n,), codec.block), [x]), key)
+  return np.asarray(draws)[:, :n]
 
 
 def _wide_values(n, seed=0, octaves=12.0):
@@ -109,10 +151,14 @@ def test_nominal_payload_bytes(name, factory, expected):
 
 
 def test_small_leaves_pay_for_what_they_hold():
-  # SketchML never sends more means than entries; every method sends something per leaf.
+  # SketchML never sends more means than entries; INCEPTIONN sends a stream byte per leaf.
+  # Both leaves share a bucket: each is padded to 128 entries, the indices (4 bits:
+  # up to 10 means) and tags (2 bits) of the 256 entries are packed together.
   params = {"one": jnp.zeros(()), "ten": jnp.zeros((10,))}
-  assert jaxcomp.wire_bytes(jaxcomp.sketchml(), params) == 4 + (40 + 5)  # 1 bucket: the mean alone; 10: 4 bits
-  assert jaxcomp.wire_bytes(jaxcomp.inceptionn(capacity=0.01), params) == (1 + 1) + (3 + 1)
+  assert jaxcomp.wire_bytes(jaxcomp.sketchml(), params) == (1 + 10) * 4 + 256 // 2
+  assert jaxcomp.wire_bytes(jaxcomp.inceptionn(capacity=0.01), params) == 256 // 4 + (1 + 1)
+  # A leaf alone: one mean and no index.
+  assert jaxcomp.wire_bytes(jaxcomp.sketchml(), {"one": jnp.zeros(())}) == 4
 
 
 # ----------------------------------------------------------------------------
@@ -201,7 +247,7 @@ def test_terngrad_is_unbiased_given_the_clipping():
   x = np.random.default_rng(1).standard_normal(256).astype(np.float32)
   x[0] = 9.0
   trials = 4000
-  draws = _trials_fn(TernGradCodec(2.5), 256, trials)(jnp.asarray(x), KEY)
+  draws = _trials(TernGradCodec(2.5), x, trials)
   clipped = _terngrad_clip_reference(x)
   s = np.abs(clipped).max()
   a = np.abs(clipped)
@@ -241,7 +287,7 @@ def test_natural_is_unbiased(bits):
   """
   x = _wide_values(256, seed=bits)
   trials = 4000
-  draws = np.asarray(_trials_fn(NaturalCodec(bits), 256, trials)(jnp.asarray(x), KEY))
+  draws = _trials(NaturalCodec(bits), x, trials)
   a = np.abs(x).astype(np.float64)
   low = 2.0 ** (1 - _natural_levels(bits))
   var = np.where(a >= low, a * a / 8, a * (low - a))
@@ -259,10 +305,10 @@ def test_natural_is_unbiased(bits):
 def test_natural_round_trips_zero_and_powers_of_two():
   x = np.array([0.0, -0.0, 1.0, -0.5, 2.0 ** -40, 2.0 ** 20, -(2.0 ** 64), 0.0], np.float32)
   (top, words), dec = _round_trip(NaturalCodec(8), x)
-  assert top.dtype == np.uint8 and top == 127 + 64
-  assert words.shape == (8,) and words.dtype == np.uint8
+  assert top.dtype == np.uint8 and top.shape == (1,) and top[0] == 127 + 64
+  assert words.shape == (128,) and words.dtype == np.uint8  # 8 entries padded to 128
   np.testing.assert_array_equal(dec, x)
-  assert words[0] == 0 and words[7] == 0  # zero is the all-zero field
+  assert words[0] == 0 and words[7] == 0 and not words[8:].any()  # zero is the all-zero field
 
 
 def test_natural_all_zero_leaf():
@@ -314,7 +360,9 @@ def _u8bit_reference(x):
 def _check_u8bit(x):
   (scale, code), dec = _round_trip(U8bitCodec(), x)
   ref_scale, ref_code, r, ref_dec = _u8bit_reference(x)
-  assert scale == ref_scale and code.dtype == np.uint8
+  assert scale.shape == (1,) and scale[0] == ref_scale and code.dtype == np.uint8
+  assert code.shape == (padded(len(x), 128),) and not code[len(x):].any()
+  code = code[:len(x)]
   differ = code != ref_code
   if differ.any():  # only a value on a midpoint (to float32 rounding) may go either way
     table = dettmers_table().astype(np.float64)
@@ -366,8 +414,10 @@ def _check_sketch(x, buckets, sample_size=16384, key=KEY):
   q = min(buckets, n)
   bits = next(b for b in (1, 2, 4, 8) if q <= 2 ** b)
   assert means.shape == (q,) and means.dtype == np.float32
-  assert words.shape == (packing.packed_size(n, bits),) and words.dtype == np.uint8
-  positions = None if n <= sample_size else sample_positions(key, n, sample_size)
+  assert words.shape == (packing.packed_size(padded(n, 128), bits),) and words.dtype == np.uint8
+  positions = None
+  if n > sample_size:
+    positions = np.asarray(sample_positions(key, _segments((n,), 128), sample_size))[0]
   ref_idx, ref_means, _ = _sketch_reference(x, buckets, positions)
   idx = np.asarray(packing.unpack(jnp.asarray(words), bits, n))
   np.testing.assert_array_equal(idx, ref_idx)
@@ -456,13 +506,14 @@ def _check_inceptionn(x, error_bound, capacity, key=KEY):
   codec = InceptionnCodec(lsb_exponent(error_bound), capacity)
   (tag_words, stream), dec = _round_trip(codec, x, key)
   cap = max(1, math.ceil(capacity * n - 1e-9))
-  assert tag_words.shape == (packing.packed_size(n, 2),) and stream.shape == (cap,)
-  shift = int(codec.shift(key, n))
+  assert tag_words.shape == (packing.packed_size(padded(n, 128), 2),) and stream.shape == (cap,)
+  shift = int(codec.shift(key, _segments((n,), 128))[0])
   ref_tags, ref_stream, ref_dec = _inceptionn_reference(x, codec.lsb, cap, shift)
-  np.testing.assert_array_equal(np.asarray(packing.unpack(jnp.asarray(tag_words), 2, n)), ref_tags)
+  tags = np.asarray(packing.unpack(jnp.asarray(tag_words), 2, n))  # in the leaf's own order
+  np.testing.assert_array_equal(tags, np.roll(ref_tags, shift))
   np.testing.assert_array_equal(stream, ref_stream)
   np.testing.assert_array_equal(dec, ref_dec)
-  return np.roll(ref_tags, shift), dec  # tags in the leaf's own order
+  return tags, dec
 
 
 def test_inceptionn_matches_numpy_with_overflow():
@@ -507,7 +558,164 @@ def test_inceptionn_overflow_stays_in_the_residual_and_rotates():
   outs = np.asarray(outs, np.float64)
   assert np.all((outs != 0).any(axis=0))  # every position was sent at some step
   assert np.all((outs != 0).sum(axis=1) <= 64)
-  np.testing.assert_allclose(outs.sum(0) + np.asarray(state.memory["w"]), steps, rtol=1e-6)
+  residual = jaxcomp.memory_tree(tx, state, g)["w"]
+  np.testing.assert_allclose(outs.sum(0) + np.asarray(residual), steps, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# Buckets: several leaves, one payload, per-leaf meaning
+
+
+def _leaves():
+  """Leaves of a bucket: sizes that need padding, one sign only, all zeros, scales 1e3 apart."""
+  rng = np.random.default_rng(9)
+  return [
+      np.array([-0.7], np.float32),
+      -np.abs(rng.standard_normal(10)).astype(np.float32),
+      rng.standard_normal(300).astype(np.float32),
+      np.zeros(128, np.float32),
+      (1e3 * rng.standard_normal(257)).astype(np.float32),
+  ]
+
+
+def _scaled_sign_reference(x):
+  return np.float32(np.abs(x).mean()) * np.where(x >= 0, 1.0, -1.0)
+
+
+def _onebit_reference(x):
+  neg = x < 0
+  lo = x[neg].sum(dtype=np.float64) / max(neg.sum(), 1)
+  hi = x[~neg].sum(dtype=np.float64) / max((~neg).sum(), 1)
+  return np.where(neg, lo, hi)
+
+
+@pytest.mark.parametrize("codec,reference", [
+    (U8bitCodec(), lambda x: _u8bit_reference(x)[-1]),
+    (SketchCodec(16, 16384), lambda x: _sketch_reference(x, 16)[-1]),
+    (OneBitCodec(), _onebit_reference),
+    (ScaledSignCodec(), _scaled_sign_reference),
+    (SignCodec(scaled=True), _scaled_sign_reference),
+    (SignCodec(), lambda x: np.where(x >= 0, 1.0, -1.0)),
+], ids=["u8bit", "sketchml", "onebit", "efsignsgd", "signsgd_ef", "signsgd"])
+def test_deterministic_codecs_decode_each_leaf_of_a_bucket_as_alone(codec, reference):
+  """Padding entries count in no mean, no max, no quantile: each leaf decodes as its numpy reference."""
+  xs = _leaves()
+  _, decs = _bucket_round_trip(codec, xs)
+  for s, (x, dec) in enumerate(zip(xs, decs)):
+    np.testing.assert_allclose(dec, reference(x), rtol=1e-5, atol=1e-6, err_msg=str(s))
+
+
+def test_codec_payload_has_one_scale_per_leaf():
+  xs = _leaves()
+  norms = np.array([np.linalg.norm(x.astype(np.float64)) for x in xs])
+  maxima = np.array([np.abs(x).max() for x in xs])
+  (norm, words), _ = _bucket_round_trip(QSGDCodec(7), xs)
+  np.testing.assert_allclose(norm, norms, rtol=1e-6)
+  assert words.shape == (sum(padded(len(x), 128) for x in xs) // 2,)  # 4 bits per entry
+  (scale, _), _ = _bucket_round_trip(TernGradCodec(None), xs)
+  np.testing.assert_array_equal(scale, maxima.astype(np.float32))
+  (scale, _), _ = _bucket_round_trip(TernGradCodec(2.5), xs)
+  np.testing.assert_allclose(scale, [np.abs(_terngrad_clip_reference(x)).max() for x in xs], rtol=1e-6)
+  (scale, _), _ = _bucket_round_trip(U8bitCodec(), xs)
+  np.testing.assert_array_equal(scale, maxima.astype(np.float32))
+  (top, _), decs = _bucket_round_trip(NaturalCodec(2), xs)
+  # 2 bits: 0 or +-2**top, top that of the leaf's largest rounded magnitude.
+  for t, x, dec in zip(top, xs, decs):
+    assert np.all((dec == 0) | (np.abs(dec) == (2.0 ** (int(t) - 127) if t else 0))), (t, x[:3], dec[:3])
+    if x.any():
+      assert np.exp2(int(t) - 127) in (np.exp2(np.floor(np.log2(np.abs(x).max()))),
+                                       np.exp2(np.floor(np.log2(np.abs(x).max())) + 1))
+  assert top[3] == 0  # the all-zero leaf
+  (means, _), _ = _bucket_round_trip(OneBitCodec(), xs)
+  assert means.shape == (2, 5)
+  np.testing.assert_allclose(means[1], [0.0, 0.0, xs[2][xs[2] >= 0].mean(), 0.0, xs[4][xs[4] >= 0].mean()],
+                             rtol=1e-6)
+
+
+def test_sketchml_sampled_quantiles_per_leaf_of_a_bucket():
+  """Leaves larger than the sample draw their own sample; the smaller ones are exact."""
+  xs = _leaves()
+  codec = SketchCodec(16, 128)
+  (means, words), decs = _bucket_round_trip(codec, xs)
+  segs = _segments(tuple(len(x) for x in xs), 128)
+  positions = np.asarray(sample_positions(KEY, segs, 128))
+  q = [min(16, len(x)) for x in xs]
+  assert means.shape == (sum(q),) and words.shape == (segs.length // 2,)
+  first = np.cumsum(q) - q
+  for s, (x, dec) in enumerate(zip(xs, decs)):
+    pos = positions[s] - segs.offsets[s] if len(x) > 128 else None
+    assert pos is None or (pos.min() >= 0 and pos.max() < len(x))
+    _, ref_means, ref_dec = _sketch_reference(x, 16, pos)
+    np.testing.assert_allclose(means[first[s]:first[s] + q[s]], ref_means, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dec, ref_dec, rtol=1e-5, atol=1e-6)
+  # Different leaves draw different positions.
+  assert not np.array_equal(positions[2] - segs.offsets[2], positions[4] - segs.offsets[4])
+
+
+def test_inceptionn_streams_and_rotations_per_leaf_of_a_bucket():
+  xs = [x * 1e-3 for x in _leaves()]  # mostly 1- and 2-byte values
+  xs[4][:5] = [np.inf, -np.nan, 70.0, -1e9, 0.0]
+  codec = InceptionnCodec(lsb_exponent(2.0 ** -10), 1.0)
+  (tag_words, stream), decs = _bucket_round_trip(codec, xs)
+  segs = _segments(tuple(len(x) for x in xs), 128)
+  shifts = np.asarray(codec.shift(KEY, segs))
+  caps = [codec.stream_bytes(len(x)) for x in xs]
+  assert stream.shape == (sum(caps),) and tag_words.shape == (segs.length // 4,)
+  tags = np.asarray(packing.unpack(jnp.asarray(tag_words), 2, segs.length))
+  at = 0
+  for s, (x, dec) in enumerate(zip(xs, decs)):
+    ref_tags, ref_stream, ref_dec = _inceptionn_reference(x, codec.lsb, caps[s], int(shifts[s]))
+    o = segs.offsets[s]
+    np.testing.assert_array_equal(tags[o:o + len(x)], np.roll(ref_tags, int(shifts[s])), err_msg=str(s))
+    assert not tags[o + len(x):o + padded(len(x), 128)].any()
+    np.testing.assert_array_equal(stream[at:at + caps[s]], ref_stream, err_msg=str(s))
+    np.testing.assert_array_equal(dec, ref_dec, err_msg=str(s))
+    at += caps[s]
+  assert len(set(shifts[1:].tolist())) > 1
+
+
+@pytest.mark.parametrize("codec", [QSGDCodec(2), TernGradCodec(None), NaturalCodec(4)],
+                         ids=["qsgd", "terngrad", "natural"])
+def test_stochastic_codecs_are_unbiased_on_every_leaf_of_a_bucket(codec):
+  """Unbiased per leaf, the leaves' scales 1e3 apart; variances from each leaf's own scale."""
+  xs = [x for x in _leaves() if x.any()]
+  sizes = tuple(len(x) for x in xs)
+  segs = _segments(sizes, codec.block)
+  trials = 3000
+  draws = np.asarray(_trials_fn(codec, sizes, trials)(_bucket(segs, xs), KEY))
+  for s, x in enumerate(xs):
+    d = draws[:, segs.offsets[s]:segs.offsets[s] + sizes[s]]
+    a = np.abs(x).astype(np.float64)
+    if isinstance(codec, QSGDCodec):
+      step = np.linalg.norm(x.astype(np.float64)) / codec.levels  # rounds between multiples of step
+      var, bound = np.full_like(a, step * step / 4), np.full_like(a, step)
+    elif isinstance(codec, TernGradCodec):
+      m = a.max()
+      var, bound = a * (m - a), np.full_like(a, m)
+    else:
+      top = np.exp2(np.floor(np.log2(a.max())) + 1)
+      low = top * 2.0 ** (1 - codec.levels)
+      # The top exponent is that of max|x| or one more (when the max rounds up),
+      # so the lowest level is low or low / 2: take the larger bound of both.
+      var = np.where(a >= low, a * a / 8, np.maximum(a * a / 8, a * (low - a)))
+      bound = np.maximum(a, low)
+    _assert_unbiased(d, x.astype(np.float64), var, bound)
+
+
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "signum", "onebit", "qsgd", "terngrad", "natural",
+                                  "u8bit", "sketchml", "inceptionn"])
+def test_factories_take_the_bucket_policy(name):
+  params = {"a": jnp.zeros((300,)), "b": jnp.zeros((40, 24)), "c": jnp.zeros((10,))}
+  dense = {"a": False, "b": True, "c": False}
+  assert [len(b.leaves) for b in jaxcomp.METHODS[name]().method.buckets(params)] == [3]
+  tx = jaxcomp.METHODS[name](bucket_bytes=2048, min_size=64, dense=dense)
+  assert (tx.method.bucket_bytes, tx.method.min_size, tx.method.dense) == (2048, 64, dense)
+  # "c" small and "b" dense travel dense, in two buckets ("b" alone fills more than one); "a" compressed.
+  buckets = tx.method.buckets(params)
+  assert sorted(b.leaves for b in buckets) == [(0,), (1,), (2,)]
+  assert [b.exchange is jaxcomp.core.DENSE for b in buckets] == [True, True, False]
+  out, _ = jax.jit(tx.update)(params, tx.init(params))
+  assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, params)
 
 
 # ----------------------------------------------------------------------------

@@ -1,4 +1,11 @@
-"""Value codes: SketchML's quantile buckets and INCEPTIONN's tagged variable-precision code."""
+"""Value codes: SketchML's quantile buckets and INCEPTIONN's tagged variable-precision code.
+
+Both codecs work on a whole bucket with per-leaf meaning: SketchML's
+quantiles, bucket means and INCEPTIONN's byte stream (capacity and rotation)
+are per segment (:class:`jaxcomp.layout.Segments`), computed for all segments
+at once; the codes of all leaves of a bucket are packed together, each leaf's
+padded to a multiple of 128 entries (the segments' block).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp import rng
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
+from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args
 
 
@@ -28,62 +37,122 @@ def field_bits(values: int) -> int:
 # SketchML
 
 
-def _below(key: jax.Array, n: int, shape=()) -> jax.Array:
-  """Uniform ints in ``[0, n)`` (int32) from 32 random bits; the modulo bias is < n / 2**32.
+def _below(key: jax.Array, n, shape) -> jax.Array:
+  """Uniform ints in ``[0, n)`` (int32) from 32 hashed bits (:mod:`jaxcomp.rng`); modulo bias < n / 2**32.
 
-  Compiles several times faster than ``jax.random.randint``.
+  ``n``: an int, or an array of them broadcasting against ``shape``.
   """
-  return (jax.random.bits(key, shape, jnp.uint32) % jnp.uint32(n)).astype(jnp.int32)
+  return (rng.bits(key, shape) % jnp.asarray(n, jnp.uint32)).astype(jnp.int32)
 
 
-def sample_positions(key: jax.Array, n: int, size: int) -> jax.Array:
-  """``size`` uniform positions in ``[0, n)``, with replacement (int32)."""
-  return _below(key, n, (size,))
+def sample_width(segs: Segments, sample_size: int) -> int:
+  """Columns of a bucket's sample matrix: ``min(sample_size, largest segment)``."""
+  return min(sample_size, max(segs.sizes))
+
+
+def sample_positions(key: jax.Array, segs: Segments, sample_size: int) -> jax.Array:
+  """Bucket positions of each segment's sample, ``(S, W)`` int32 (``W``: :func:`sample_width`).
+
+  A segment of ``n <= sample_size`` entries is its own sample (row ``s``
+  holds its positions, then repeats its first); a larger one gets
+  ``sample_size`` positions drawn uniformly with replacement.
+  """
+  width = sample_width(segs, sample_size)
+  n = np.asarray(segs.sizes, np.int64)[:, None]
+  col = lax.broadcasted_iota(jnp.int32, (segs.count, width), 1)
+  local = jnp.where(col < jnp.asarray(np.minimum(n, width), jnp.int32), col, 0)
+  if np.any(n > sample_size):
+    drawn = _below(key, n.astype(np.uint32), (segs.count, width))
+    local = jnp.where(jnp.asarray(n > sample_size), drawn, local)
+  return jnp.asarray(segs.offsets, jnp.int32)[:, None] + local
 
 
 @dataclasses.dataclass(frozen=True)
 class SketchCodec(Codec):
-  """Payload: ``q`` float32 bucket means and one packed bucket index per entry.
+  """Payload: ``q`` float32 bucket means per segment and one packed bucket index per entry.
 
-  ``q = min(buckets, n)``; indices take 1, 2, 4 or 8 bits (the narrowest that
-  holds q codes), none when q = 1.
+  ``q = min(buckets, n)`` for a segment of ``n`` entries; the means of all
+  segments are concatenated. Indices take 1, 2, 4 or 8 bits (the narrowest
+  that holds the largest q of the bucket), none when every q is 1.
   """
 
   buckets: int
   sample_size: int
+  block = 128
 
-  def num_buckets(self, n: int) -> int:
-    return min(self.buckets, n)
+  def num_buckets(self, segs: Segments) -> np.ndarray:
+    """q of each segment (int64 (S,))."""
+    return np.minimum(self.buckets, np.asarray(segs.sizes, np.int64))
 
-  def edges(self, x: jax.Array, key: jax.Array) -> jax.Array:
-    """The q - 1 interior split points: order statistics ``j * m // q`` of the sorted sample."""
-    n = x.shape[0]
-    q = self.num_buckets(n)
-    sample = x if n <= self.sample_size else x[sample_positions(key, n, self.sample_size)]
-    ordered = jnp.sort(sample)
-    return ordered[(np.arange(1, q) * ordered.shape[0]) // q]
+  def _width(self, segs: Segments) -> int:
+    """Columns of the split-point table: the smallest power of two >= the largest q (binary search)."""
+    return 1 << int(np.max(self.num_buckets(segs)) - 1).bit_length()
 
-  def encode(self, x, key):
-    n = x.shape[0]
-    q = self.num_buckets(n)
-    idx = jnp.searchsorted(self.edges(x, key), x, side="right").astype(jnp.int32)
-    sums = jax.ops.segment_sum(x, idx, q)
-    counts = jax.ops.segment_sum(jnp.ones_like(x), idx, q)
-    means = jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), 0.0)
-    if q == 1:  # one bucket: the index carries nothing, send the mean alone
+  def edges(self, x: jax.Array, key: jax.Array, segs: Segments) -> jax.Array:
+    """``(S, P)``: row ``s`` holds the q - 1 interior split points of segment ``s``, then +inf.
+
+    The split points are the order statistics ``j * m // q`` of the sorted
+    sample of ``m = min(n, sample_size)`` entries; one batched sort of all
+    samples.
+    """
+    q = self.num_buckets(segs)
+    m = np.minimum(np.asarray(segs.sizes, np.int64), self.sample_size)
+    pos = sample_positions(key, segs, self.sample_size)
+    col = lax.broadcasted_iota(jnp.int32, pos.shape, 1)
+    sample = jnp.where(col < jnp.asarray(m, jnp.int32)[:, None], x[pos], jnp.inf)
+    ordered = jnp.sort(sample, axis=1)
+    j = np.arange(1, self._width(segs) + 1)[None, :]
+    inside = j < q[:, None]
+    rank = np.where(inside, (j * m[:, None]) // q[:, None], 0)
+    split = jnp.take_along_axis(ordered, jnp.asarray(rank, jnp.int32), axis=1)
+    return jnp.where(jnp.asarray(inside), split, jnp.inf)
+
+  def _first(self, segs: Segments) -> np.ndarray:
+    """Index of each segment's first mean in the payload (int64 (S,))."""
+    q = self.num_buckets(segs)
+    return np.cumsum(q) - q
+
+  def _bits(self, segs: Segments) -> int:
+    return field_bits(int(np.max(self.num_buckets(segs))))
+
+  def encode(self, x, key, segs):
+    p = self._width(segs)
+    idx = jnp.zeros(x.shape, jnp.int32)
+    if p > 1:
+      # A branchless binary search of x among its segment's split points: the
+      # number of them <= x (searchsorted, side="right"), log2(P) steps. The
+      # first compares with one split point per segment (a gather at constant
+      # positions would be constant-folded into a bucket-sized array).
+      edges = self.edges(x, key, segs)
+      idx = jnp.where(segs.spread(edges[:, p // 2 - 1]) <= x, p // 2, 0)
+      table = edges.reshape(-1)
+      row = segs.spread(jnp.arange(segs.count, dtype=jnp.int32) * p)
+      step = p // 4
+      while step:
+        cand = idx + step
+        idx = jnp.where(table[row + cand - 1] <= x, cand, idx)
+        step //= 2
+    first = self._first(segs)
+    total = int(self.num_buckets(segs).sum())
+    bins = segs.spread(jnp.asarray(first, jnp.int32)) + idx
+    # Sums and counts in one segment sum; padding entries are not counted.
+    sums = jax.ops.segment_sum(jnp.stack([x, segs.valid().astype(jnp.float32)], axis=1), bins, total)
+    means = jnp.where(sums[:, 1] > 0, sums[:, 0] / jnp.maximum(sums[:, 1], 1.0), 0.0)
+    if p == 1:  # one bucket per segment: the index carries nothing, send the means alone
       return means, jnp.zeros((0,), jnp.uint8)
-    return means, packing.pack(idx.astype(jnp.uint8), field_bits(q))
+    return means, packing.pack(idx.astype(jnp.uint8), self._bits(segs))
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
     means, words = payload
-    if self.num_buckets(n) == 1:
-      return jnp.broadcast_to(means[0], (n,))
-    idx = packing.unpack(words, field_bits(self.num_buckets(n)), n)
-    return means[idx.astype(jnp.int32)]
+    bins = segs.spread(jnp.asarray(self._first(segs), jnp.int32))
+    if self._width(segs) > 1:
+      bins = bins + packing.unpack(words, self._bits(segs), segs.length).astype(jnp.int32)
+    return means[bins]
 
 
 def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = None,
-             error_feedback: bool = False, seed: int = 0):
+             error_feedback: bool = False, seed: int = 0, bucket_bytes: int | None = None,
+             min_size: int | None = None, dense=None):
   """SketchML's quantile sketch: a bucket index per entry plus the bucket means.
 
   Each leaf is split into ``q = min(buckets, n)`` buckets of (about) equal
@@ -94,16 +163,18 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = 
   Quantiles without a full sort: when ``n <= sample_size`` the leaf itself is
   sorted (exact quantiles); otherwise ``sample_size`` positions drawn uniformly
   with replacement (each worker with its own key) are sorted and the split
-  points are their order statistics ``j * sample_size // q``. A random sample,
+  points are their order statistics ``j * sample_size // q``; the samples of
+  all leaves of a bucket are sorted in one batched sort. A random sample,
   not a strided one, so that periodic layouts (a flattened conv kernel) do not
   alias. With 16384 samples the rank of a split point has a standard
   deviation of at most 0.4% of n (``sqrt(p (1 - p) / 16384)``), a quarter of
   a bucket at q = 64. Buckets then take the exact means of their members (a
-  segment sum over the leaf, no sort).
+  segment sum over the bucket, no sort).
 
-  Payload: ``4 q`` bytes of float32 means plus the indices packed in 1, 2, 4
-  or 8 bits (8 for the default 64 buckets; 4 when ``buckets <= 16``): 8 bits
-  per element plus 2048 bits per leaf at the defaults. Means and split points
+  Payload: ``4 q`` bytes of float32 means per leaf plus the indices packed in
+  1, 2, 4 or 8 bits (8 for the default 64 buckets; 4 when ``buckets <= 16``;
+  one width for all leaves of a bucket): 8 bits per element plus 2048 bits
+  per leaf at the defaults. Means and split points
   are local, so payloads are all-gathered; each worker decodes and averages.
   GRACE computes exact (interpolated) quantiles and sends uint8 indices.
   SketchML further compresses the bucket indices with a MinMaxSketch and
@@ -117,6 +188,7 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = 
     error_feedback: off by default (as in GRACE); on, each entry's distance
       to its bucket mean is carried in a residual.
     seed: seeds the key (used for the sample).
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Jiang, Fu, Yang, Cui, *SketchML: Accelerating Distributed Machine Learning
@@ -127,7 +199,8 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = 
   size = _args.integer("sample_size", sample_size, q)
   ef = _args.flag("error_feedback", error_feedback)
   codec = SketchCodec(q, size)
-  return build(Method("sketchml", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed)
+  return build(Method("sketchml", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
 
 
 # ----------------------------------------------------------------------------
@@ -136,21 +209,37 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = 
 _WIDTHS = (0, 1, 2, 4)  # bytes in the stream for tags 0, 1, 2, 3
 
 
-def _cumsum(w: jax.Array, block: int = 64) -> jax.Array:
-  """Inclusive prefix sum of small non-negative ints (the widths, <= 4).
+def _cumsum(w: jax.Array, block: int = 64, small: bool = True) -> jax.Array:
+  """Inclusive prefix sum of non-negative int32 (the widths, <= 4; the total below 2^31).
 
-  Within rows of ``block`` entries by a triangular matmul (exact: float32 holds
-  sums <= 256), then across rows by ``jnp.cumsum``. On XLA CPU this runs about
-  2x faster than ``jnp.cumsum`` (a reduce_window) and compiles about 5x faster
-  than ``lax.associative_scan``.
+  Within rows of ``block`` entries by a triangular matmul (in float32 when
+  ``small``: exact for row sums <= 256; else in int32), then the same on the
+  row totals, recursively. On XLA CPU this runs faster than ``jnp.cumsum`` (a
+  reduce_window) and compiles several times faster than it or
+  ``lax.associative_scan``.
   """
   n = w.shape[0]
   rows = -(-n // block)
-  r = jnp.pad(w, (0, rows * block - n)).reshape(rows, block).astype(jnp.float32)
-  tri = jnp.triu(jnp.ones((block, block), jnp.float32))
-  within = jnp.dot(r, tri, precision=lax.Precision.HIGHEST).astype(jnp.int32)
-  before = jnp.cumsum(within[:, -1]) - within[:, -1]
+  r = jnp.pad(w, (0, rows * block - n)).reshape(rows, block)
+  if small:
+    tri = jnp.triu(jnp.ones((block, block), jnp.float32))
+    within = jnp.dot(r.astype(jnp.float32), tri, precision=lax.Precision.HIGHEST).astype(jnp.int32)
+  else:
+    within = jnp.dot(r, jnp.triu(jnp.ones((block, block), jnp.int32)), preferred_element_type=jnp.int32)
+  if rows == 1:
+    return within.reshape(-1)[:n]
+  totals = within[:, -1]
+  before = _cumsum(totals, block, small=False) - totals
   return (within + before[:, None]).reshape(-1)[:n]
+
+
+def _spread(segs: Segments, *values: jax.Array):
+  """:meth:`Segments.spread` of several (S,) vectors of one dtype with one gather."""
+  if segs.count == 1:
+    return tuple(jnp.broadcast_to(v[0], (segs.length,)) for v in values)
+  rows = jnp.stack(values, axis=1)[jnp.asarray(segs.row_segment)]
+  shape = (rows.shape[0], segs.block)
+  return tuple(jnp.broadcast_to(rows[:, j, None], shape).reshape(-1) for j in range(len(values)))
 
 
 def lsb_exponent(error_bound: float) -> int:
@@ -160,11 +249,12 @@ def lsb_exponent(error_bound: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class InceptionnCodec(Codec):
-  """Payload: 2-bit tags packed 4 per byte, and a byte stream of fixed capacity.
+  """Payload: 2-bit tags packed 4 per byte, and a byte stream of fixed capacity per segment.
 
   Tag 0: nothing sent (decodes to 0); 1: one byte, sign + 7-bit magnitude;
   2: two bytes, sign + 15-bit magnitude, both in units of ``2**lsb``; 3: the
-  four bytes of the float32. Entries are laid out in the stream in order,
+  four bytes of the float32. Each segment has its own stream (the streams of
+  a bucket are concatenated); its entries are laid out in it in order,
   starting at a position that rotates every step (the shared key); entries
   that would overrun the capacity are sent with tag 0.
   """
@@ -172,17 +262,42 @@ class InceptionnCodec(Codec):
   lsb: int
   capacity: float
   shared_key = True
+  block = 128
 
   def stream_bytes(self, n: int) -> int:
     return max(1, math.ceil(self.capacity * n - 1e-9))
 
-  def shift(self, key: jax.Array, n: int) -> jax.Array:
-    return _below(key, n)
+  def _streams(self, segs: Segments) -> np.ndarray:
+    return np.asarray([self.stream_bytes(n) for n in segs.sizes], np.int64)
 
-  def encode(self, x, key):
-    n = x.shape[0]
-    cap = self.stream_bytes(n)
-    x = jnp.roll(x, -self.shift(key, n))
+  def shift(self, key: jax.Array, segs: Segments) -> jax.Array:
+    """The entry of each segment that goes first in its stream (int32 (S,))."""
+    return _below(key, np.asarray(segs.sizes, np.uint32), (segs.count,))
+
+  def _ends(self, width: jax.Array, key: jax.Array, segs: Segments):
+    """Where each entry's bytes end in the bucket's streams, and where its segment's stream ends.
+
+    Within a segment the entries go in rotated order (from its shift to its
+    end, then its start): the end is the inclusive prefix sum of the widths in
+    that order, plus where the segment's stream starts.
+    """
+    cum = _cumsum(width)
+    # Each segment's total and what the segments before it hold, from the
+    # bucket-wide prefix sum (padding entries have width 0).
+    ends = np.asarray(segs.offsets, np.int64) + np.asarray(segs.padded_sizes, np.int64)
+    before = jnp.concatenate([jnp.zeros((1,), jnp.int32), cum[ends[:-1] - 1]])
+    total = cum[ends - 1] - before
+    shift = self.shift(key, segs)
+    offsets = jnp.asarray(segs.offsets, jnp.int32)
+    skipped = jnp.where(shift > 0, cum[offsets + jnp.maximum(shift, 1) - 1] - before, 0)
+    caps = self._streams(segs)
+    first = jnp.asarray(np.cumsum(caps) - caps, jnp.int32)
+    lift, wrap_below, wrap, last = _spread(segs, first - before - skipped, offsets + shift, total,
+                                           first + jnp.asarray(caps, jnp.int32))
+    return cum + lift + jnp.where(lax.iota(jnp.int32, segs.length) < wrap_below, wrap, 0), last
+
+  def encode(self, x, key, segs):
+    n = segs.length
     b = lax.bitcast_convert_type(x, jnp.uint32)
     sign = b >> 31
     q = jnp.floor(jnp.abs(x) * 2.0 ** -self.lsb + 0.5)  # NaN and Inf compare False below
@@ -191,25 +306,26 @@ class InceptionnCodec(Codec):
     word = jnp.where(tag == 1, (sign << 7) | qi,
                      jnp.where(tag == 2, (sign << 15) | qi, jnp.where(tag == 3, b, 0)))
     width = jnp.asarray(_WIDTHS, jnp.int32)[tag]
-    end = _cumsum(width)
-    fits = end <= cap  # a prefix of the sent entries, since end is non-decreasing
+    end, last = self._ends(width, key, segs)
+    fits = end <= last  # a prefix of each segment in rotated order
     tag = jnp.where(fits, tag, 0)
     width = jnp.where(fits, width, 0)
     start = end - width
     # Bytes not sent get distinct out-of-bounds positions, dropped by the scatter.
-    unused = cap + 4 * jnp.arange(n, dtype=jnp.int32)
+    total = int(self._streams(segs).sum())
+    unused = total + 4 * jnp.arange(n, dtype=jnp.int32)
     pos = jnp.stack([jnp.where(j < width, start + j, unused + j) for j in range(4)], axis=1)
     byte = jnp.stack([(word >> (8 * j)) & 0xFF for j in range(4)], axis=1).astype(jnp.uint8)
-    stream = jnp.zeros((cap,), jnp.uint8).at[pos.reshape(-1)].set(
+    stream = jnp.zeros((total,), jnp.uint8).at[pos.reshape(-1)].set(
         byte.reshape(-1), mode="drop", unique_indices=True)
     return packing.pack(tag.astype(jnp.uint8), 2), stream
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
     tag_words, stream = payload
-    tag = packing.unpack(tag_words, 2, n).astype(jnp.int32)
+    tag = packing.unpack(tag_words, 2, segs.length).astype(jnp.int32)
     width = jnp.asarray(_WIDTHS, jnp.int32)[tag]
-    start = _cumsum(width) - width
-    word = jnp.zeros((n,), jnp.uint32)
+    start = self._ends(width, key, segs)[0] - width
+    word = jnp.zeros((segs.length,), jnp.uint32)
     for j in range(4):
       byte = jnp.take(stream, start + j, mode="clip").astype(jnp.uint32)
       word = word | jnp.where(j < width, byte << (8 * j), 0)
@@ -217,12 +333,12 @@ class InceptionnCodec(Codec):
     magnitude = (word & jnp.where(tag == 1, 0x7F, 0x7FFF)).astype(jnp.float32) * 2.0 ** self.lsb
     fixed = jnp.where(fixed_sign == 1, -magnitude, magnitude)
     raw = lax.bitcast_convert_type(word, jnp.float32)
-    x = jnp.where(tag == 3, raw, jnp.where(tag == 0, 0.0, fixed))
-    return jnp.roll(x, self.shift(key, n))
+    return jnp.where(tag == 3, raw, jnp.where(tag == 0, 0.0, fixed))
 
 
 def inceptionn(error_bound: float = 2.0 ** -10, capacity: float = 1.0, axis_name: AxisName = None,
-               error_feedback: bool = True, seed: int = 0):
+               error_feedback: bool = True, seed: int = 0, bucket_bytes: int | None = None,
+               min_size: int | None = None, dense=None):
   """INCEPTIONN's lossy code: a 2-bit tag per value choosing 0, 8, 16 or 32 bits.
 
   Gradients are mostly small, so most values need few bits for a fixed
@@ -247,7 +363,8 @@ def inceptionn(error_bound: float = 2.0 ** -10, capacity: float = 1.0, axis_name
   position that changes every step (drawn from a key shared by all workers,
   so no offset travels), so no part of a leaf is starved when the stream is
   full. The wire therefore carries exactly ``ceil(n / 4) + ceil(capacity * n)``
-  bytes per leaf, whatever the values: at the default ``capacity=1.0``
+  bytes per leaf (``n`` padded to a multiple of 128 for the tags), whatever
+  the values: at the default ``capacity=1.0``
   10 bits per element, 3.2x smaller than float32. The trade-off: a capacity of
   ``c`` bytes per value never overflows while the mean width is <= ``c``
   (e.g. values mostly below 0.249 at the default bound); ``capacity=2.0``
@@ -271,6 +388,7 @@ def inceptionn(error_bound: float = 2.0 ** -10, capacity: float = 1.0, axis_name
     error_feedback: on by default: the dropped values below the bound and
       whatever did not fit in the stream are carried, so nothing is lost.
     seed: seeds the key (the per-step stream rotation).
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Li, Park, Alian, Yuan, Qu, Pan, Wang, Schwing, Esmaeilzadeh, Kim, *A
@@ -287,4 +405,5 @@ def inceptionn(error_bound: float = 2.0 ** -10, capacity: float = 1.0, axis_name
     raise ValueError(f"capacity must be in (0, 4] bytes per value, got capacity={capacity!r}")
   ef = _args.flag("error_feedback", error_feedback)
   codec = InceptionnCodec(lsb, cap)
-  return build(Method("inceptionn", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed)
+  return build(Method("inceptionn", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)

@@ -1,4 +1,12 @@
-"""Quantizers: QSGD, TernGrad, natural compression, and Dettmers' 8-bit code."""
+"""Quantizers: QSGD, TernGrad, natural compression, and Dettmers' 8-bit code.
+
+Every codec here works on a whole bucket: the fields of all its leaves are
+packed together, each per-leaf quantity (a norm, a scale, a top exponent) is
+one value per segment from the segment reductions of
+:class:`jaxcomp.layout.Segments`, and the stochastic rounding draws one
+uniform per bucket entry from the bucket's key (:mod:`jaxcomp.rng`). Each
+leaf's fields are padded to a multiple of 128 entries (the segments' block).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ from jaxcomp import rng
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
+from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args
 
 
@@ -27,34 +36,37 @@ def level_bits(levels: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class QSGDCodec(Codec):
-  """Payload: the float32 norm and n signed levels packed in 2, 4 or 8 bits each."""
+  """Payload: one float32 norm per segment and a signed level per entry, packed in 2, 4 or 8 bits."""
 
   levels: int
+  block = 128
 
-  def encode(self, x, key):
+  def encode(self, x, key, segs):
     s = self.levels
-    norm = jnp.linalg.norm(x)
-    safe = jnp.where(norm > 0, norm, 1.0)
+    norm = jnp.sqrt(segs.sum(x * x))
+    safe = segs.spread(jnp.where(norm > 0, norm, 1.0))
     scaled = jnp.abs(x) / safe * s
     level = jnp.floor(scaled + rng.uniform(key, x.shape))
     level = jnp.clip(level, 0, s)  # u < 1 and scaled <= s, the clip only guards rounding
     q = jnp.sign(x) * level + s    # in [0, 2s]
     return norm, packing.pack(q.astype(jnp.uint8), level_bits(s))
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
     norm, words = payload
     s = self.levels
-    q = packing.unpack(words, level_bits(s), n).astype(jnp.float32) - s
-    return norm / s * q
+    q = packing.unpack(words, level_bits(s), segs.length).astype(jnp.float32) - s
+    return segs.spread(norm / s) * q
 
 
-def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0):
+def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
+         bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
   """QSGD: unbiased stochastic quantization to ``levels`` levels per sign.
 
   Each entry becomes ``sign(x) * l`` with ``l = floor(s |x| / ||x||_2 + u)``,
-  ``u ~ U[0, 1)``, so ``E[norm / s * l] = |x|``. The payload is the float32
-  norm plus one field per entry packed in 2 bits (s = 1), 4 bits (s <= 7) or
-  8 bits (s <= 127). Norms differ between workers, so payloads are
+  ``u ~ U[0, 1)``, so ``E[norm / s * l] = |x|``; ``||x||_2`` is the norm of
+  the leaf. The payload is one float32 norm per leaf plus one field per entry
+  packed in 2 bits (s = 1), 4 bits (s <= 7) or 8 bits (s <= 127), the fields
+  of all leaves of a bucket packed together. Norms differ between workers, so payloads are
   all-gathered and each worker decodes and averages them. Each worker rounds
   with its own key (the shared key folded with its index); the
   uniforms come from :mod:`jaxcomp.rng`, a counter hash fused into the kernel.
@@ -65,6 +77,7 @@ def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = F
     error_feedback: off by default (QSGD is unbiased); on, the rounding error
       is carried.
     seed: seeds the key.
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Alistarh et al., *QSGD: Communication-Efficient SGD via Gradient
@@ -72,7 +85,8 @@ def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = F
   """
   s = _args.integer("levels", levels, 1, 127)
   ef = _args.flag("error_feedback", error_feedback)
-  return build(Method("qsgd", flat_route(CodecExchange(QSGDCodec(s))), Memory(enabled=ef)), axis_name, seed)
+  return build(Method("qsgd", flat_route(CodecExchange(QSGDCodec(s))), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
 
 
 # ----------------------------------------------------------------------------
@@ -81,42 +95,46 @@ def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = F
 
 @dataclasses.dataclass(frozen=True)
 class TernGradCodec(Codec):
-  """Payload: the float32 scale and n ternary values in {-1, 0, 1}, 2 bits each."""
+  """Payload: one float32 scale per segment and a ternary value in {-1, 0, 1} per entry, 2 bits each."""
 
   clip_sigma: float | None
+  block = 128
 
-  def clip(self, x: jax.Array) -> jax.Array:
-    """Clips x to +-clip_sigma * sigma, sigma the root mean square of x."""
+  def clip(self, x: jax.Array, segs: Segments) -> jax.Array:
+    """Clips each segment of x to +-clip_sigma * sigma, sigma the segment's root mean square."""
     if self.clip_sigma is None:
       return x
-    bound = self.clip_sigma * jnp.sqrt(jnp.mean(jnp.square(x)))
+    bound = self.clip_sigma * jnp.sqrt(segs.sum(jnp.square(x)) / jnp.asarray(segs.sizes, jnp.float32))
+    bound = segs.spread(bound)
     return jnp.clip(x, -bound, bound)
 
-  def encode(self, x, key):
-    x = self.clip(x)
-    scale = jnp.max(jnp.abs(x))
+  def encode(self, x, key, segs):
+    x = self.clip(x, segs)
+    scale = segs.max(jnp.abs(x))
     u = rng.uniform(key, x.shape)
-    keep = u * scale < jnp.abs(x)
+    keep = u * segs.spread(scale) < jnp.abs(x)
     q = jnp.where(keep, jnp.sign(x), 0.0) + 1.0  # {-1, 0, 1} -> {0, 1, 2}
     return scale, packing.pack(q.astype(jnp.uint8), 2)
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
     scale, words = payload
-    return scale * (packing.unpack(words, 2, n).astype(jnp.float32) - 1.0)
+    return segs.spread(scale) * (packing.unpack(words, 2, segs.length).astype(jnp.float32) - 1.0)
 
 
 def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
-             error_feedback: bool = False, seed: int = 0):
+             error_feedback: bool = False, seed: int = 0, bucket_bytes: int | None = None,
+             min_size: int | None = None, dense=None):
   """TernGrad: stochastic ternary gradients with a per-leaf scale.
 
   Each leaf is clipped to ``[-c sigma, c sigma]``; with ``s = max|clipped x|``
   every entry becomes ``s * sign(x) * b``, ``b ~ Bernoulli(|x| / s)``, so the
   decoded value is unbiased for the clipped ``x`` (clipping itself is the
-  method's only bias). The payload is the float32 scale plus one ternary field
-  per entry packed 2 bits each (4 per byte): ``ceil(n / 4) + 4`` bytes, i.e.
-  2 bits per element plus 32 bits per leaf. Scales are local, so payloads are
-  all-gathered and every worker decodes and averages all of them (TernGrad's
-  optional scale sharing, a max-allreduce of the scales first, is not done).
+  method's only bias). The payload is one float32 scale per leaf plus one
+  ternary field per entry packed 2 bits each (4 per byte, the fields of all
+  leaves of a bucket together): 2 bits per element plus 32 bits per leaf.
+  Scales are local, so payloads are all-gathered and every worker decodes and
+  averages all of them (TernGrad's optional scale sharing, a max-allreduce of
+  the scales first, is not done).
   Each worker draws its Bernoulli variables with its own key
   (:mod:`jaxcomp.rng`).
 
@@ -131,6 +149,7 @@ def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
     error_feedback: off by default (the code is unbiased given the clipping);
       on, the quantization and clipping error is carried in a residual.
     seed: seeds the key.
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Wen et al., *TernGrad: Ternary Gradients to Reduce Communication in
@@ -140,7 +159,8 @@ def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
   c = None if clip_sigma is None else _args.positive("clip_sigma", clip_sigma)
   ef = _args.flag("error_feedback", error_feedback)
   codec = TernGradCodec(c)
-  return build(Method("terngrad", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed)
+  return build(Method("terngrad", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
 
 
 # ----------------------------------------------------------------------------
@@ -157,20 +177,21 @@ def _pow2(e: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class NaturalCodec(Codec):
-  """Payload: the top biased exponent (uint8) and one sign + exponent field per entry.
+  """Payload: the top biased exponent of each segment (uint8 (S,)) and one sign + exponent field per entry.
 
   A field of ``bits`` bits holds the sign in its high bit and a code ``c`` in
   ``[0, 2**(bits - 1) - 1]``: ``c = 0`` is zero, ``c >= 1`` is
-  ``2**(top - c + 1 - 127)``.
+  ``2**(top - c + 1 - 127)``, ``top`` that of the entry's segment.
   """
 
   bits: int
+  block = 128
 
   @property
   def levels(self) -> int:
     return 2 ** (self.bits - 1) - 1
 
-  def encode(self, x, key):
+  def encode(self, x, key, segs):
     # One draw per entry: entries at or above the lowest level use its top 23
     # bits to round the mantissa, those below use it as a uniform; never both.
     h = rng.bits(key, x.shape)
@@ -182,30 +203,32 @@ class NaturalCodec(Codec):
     # |x| = 2**(e-127) * (1 + m / 2**23) rounds up to 2**(e-126) with probability m / 2**23.
     up = m > (h >> 9)
     e1 = jnp.where(e == 0, 0, jnp.where(finite, e + up.astype(jnp.int32), 255))
-    top = jnp.max(e1)
-    low = jnp.maximum(top - self.levels + 1, 1)
+    top = segs.max(e1)
+    top_e = segs.spread(top)
+    low = jnp.maximum(top_e - self.levels + 1, 1)
     # Below the lowest level: 0 or 2**(low-127), up with probability |x| / 2**(low-127).
     d = e - low
     frac = (1.0 + m.astype(jnp.float32) * 2.0 ** -23) * _pow2(jnp.clip(d, -126, 0) + 127)
     p = jnp.where(d >= -126, frac, 0.0)
     under_up = rng.to_unit(h) < p
     e2 = jnp.where(e >= low, e1, jnp.where((e >= 1) & under_up, low, 0))
-    code = jnp.where(e2 == 0, 0, top + 1 - e2)
+    code = jnp.where(e2 == 0, 0, top_e + 1 - e2)
     field = jnp.where(code > 0, code.astype(jnp.uint32) | (sign << (self.bits - 1)), 0)
     return top.astype(jnp.uint8), packing.pack(field.astype(jnp.uint8), self.bits)
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
     top, words = payload
-    f = packing.unpack(words, self.bits, n).astype(jnp.uint32)
+    f = packing.unpack(words, self.bits, segs.length).astype(jnp.uint32)
     code = (f & self.levels).astype(jnp.int32)
     sign = f >> (self.bits - 1)
-    e = top.astype(jnp.int32) + 1 - code
+    e = segs.spread(top.astype(jnp.int32)) + 1 - code
     valid = (code > 0) & (e >= 1)
     word = (sign << 31) | (jnp.clip(e, 0, 255).astype(jnp.uint32) << 23)
     return jnp.where(valid, lax.bitcast_convert_type(word, jnp.float32), 0.0)
 
 
-def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0):
+def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
+            bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
   """Natural compression: unbiased stochastic rounding to powers of two.
 
   ``|x|`` in ``[2**k, 2**(k+1))`` becomes ``2**k`` or ``2**(k+1)``, up with
@@ -213,8 +236,9 @@ def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = Fa
   ``E[(C(x) - x)**2] <= x**2 / 8`` (the paper's Theorem). The rounding is done
   on the float32 bits: round up when the 23-bit mantissa exceeds 23 random bits.
 
-  Wire format: per leaf one uint8 ``top``, the largest rounded biased exponent,
-  then one field per entry of ``bits`` bits (sign + exponent code), packed.
+  Wire format: per leaf one uint8 ``top``, the largest rounded biased exponent
+  of the leaf, then one field per entry of ``bits`` bits (sign + exponent
+  code), packed (the fields of all leaves of a bucket together).
   With the default 8 bits the code has 127 levels, ``2**(top-127)`` down to
   ``2**(top-253)``: 8 bits per element plus 8 bits per leaf. The exponent is
   stored relative to ``top`` rather than clipped to a fixed range as GRACE
@@ -235,6 +259,7 @@ def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = Fa
     axis_name: the data-parallel axis, or None for a local round trip.
     error_feedback: off by default (the code is unbiased).
     seed: seeds the key.
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Horvath, Ho, Horvath, Sahu, Canini, Richtarik, *Natural Compression for
@@ -245,7 +270,8 @@ def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = Fa
     raise ValueError(f"bits must be one of {_NATURAL_BITS}, got bits={bits!r}")
   ef = _args.flag("error_feedback", error_feedback)
   codec = NaturalCodec(int(bits))
-  return build(Method("natural", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed)
+  return build(Method("natural", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
 
 
 # ----------------------------------------------------------------------------
@@ -278,22 +304,34 @@ _BOUNDS = ((_TABLE[:-1].astype(np.float64) + _TABLE[1:]) / 2).astype(np.float32)
 
 @dataclasses.dataclass(frozen=True)
 class U8bitCodec(Codec):
-  """Payload: the float32 max |x| and one byte per entry: sign bit + 7-bit table index."""
+  """Payload: the float32 max |x| of each segment and one byte per entry: sign bit + 7-bit table index."""
 
-  def encode(self, x, key):
-    scale = jnp.max(jnp.abs(x))
-    r = jnp.abs(x) / jnp.where(scale > 0, scale, 1.0)
-    idx = jnp.searchsorted(jnp.asarray(_BOUNDS), r, side="left").astype(jnp.uint8)
+  block = 128
+
+  def encode(self, x, key, segs):
+    scale = segs.max(jnp.abs(x))
+    r = jnp.abs(x) / segs.spread(jnp.where(scale > 0, scale, 1.0))
+    # searchsorted(_BOUNDS, r, side="left") as a branchless binary search:
+    # seven gathers from the 127 bounds, fused into one kernel (XLA CPU
+    # compiles jnp.searchsorted's loop several times slower).
+    # (The first step compares with a scalar: a gather at constant positions
+    # would be constant-folded into a bucket-sized array.)
+    bounds = jnp.asarray(_BOUNDS)
+    idx = jnp.where(_BOUNDS[63] < r, 64, 0)
+    for step in (32, 16, 8, 4, 2, 1):
+      idx = jnp.where(bounds[idx + step - 1] < r, idx + step, idx)
+    idx = idx.astype(jnp.uint8)
     code = jnp.where((x < 0) & (idx > 0), idx | jnp.uint8(0x80), idx)
     return scale, code
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
     scale, code = payload
-    mag = jnp.asarray(_TABLE)[(code & 0x7F).astype(jnp.int32)] * scale
+    mag = jnp.asarray(_TABLE)[(code & 0x7F).astype(jnp.int32)] * segs.spread(scale)
     return jnp.where(code >= 0x80, -mag, mag)
 
 
-def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0):
+def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
+          bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
   """Dettmers' 8-bit approximation: a 128-entry table per sign plus the max.
 
   Each leaf is scaled by its largest magnitude ``s = max|x|``; ``|x| / s`` is
@@ -306,7 +344,7 @@ def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 
   deterministic and biased (mostly on tiny entries), so there is no error
   feedback by default.
 
-  Payload: float32 scale + n bytes (8 bits per element plus 32 per leaf),
+  Payload: a float32 scale per leaf + one byte per entry (8 bits per element plus 32 per leaf),
   all-gathered (the scales are local); each worker decodes and averages.
 
   Args:
@@ -314,6 +352,7 @@ def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 
     error_feedback: off by default (as in GRACE); on, the rounding error is
       carried in a residual.
     seed: seeds the state's key (the code itself uses no randomness).
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Dettmers, *8-Bit Approximations for Parallelism in Deep Learning*, ICLR
@@ -321,4 +360,5 @@ def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 
     GRACE's (Xu et al., ICDCS 2021, ``u8bit`` compressor).
   """
   ef = _args.flag("error_feedback", error_feedback)
-  return build(Method("u8bit", flat_route(CodecExchange(U8bitCodec())), Memory(enabled=ef)), axis_name, seed)
+  return build(Method("u8bit", flat_route(CodecExchange(U8bitCodec())), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)

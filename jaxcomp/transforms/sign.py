@@ -1,6 +1,13 @@
-"""Sign methods: signSGD and Signum (majority vote), EF-signSGD, 1-bit SGD (scaled signs, memory)."""
+"""Sign methods: signSGD and Signum (majority vote), EF-signSGD, 1-bit SGD (scaled signs, memory).
+
+Every codec here works on a whole bucket: the sign bits of all its leaves are
+packed together, and a per-leaf quantity (a scale, two means) is one float32
+per segment, from the segment reductions of :class:`jaxcomp.layout.Segments`.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,71 +16,144 @@ from jax import lax
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
+from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args
 
+TIES = ("zero", "positive")
 
-def majority_vote(words: jnp.ndarray, n: int) -> jnp.ndarray:
-  """sign(sum over workers of +-1) from ``(N, ceil(n/8))`` packed sign words; ties give 0."""
+
+def majority_vote(words: jnp.ndarray, n: int, ties: str = "zero") -> jnp.ndarray:
+  """sign(sum over workers of +-1) from ``(N, ceil(n/8))`` packed sign words.
+
+  ``ties="zero"``: a tie gives 0; ``"positive"``: a tie gives +1 (GRACE's
+  rule, ``sum >= 0 -> +1``), so the output is always +-1.
+  """
   def body(w, acc):
     return acc + 2 * packing.unpack(words[w], 1, n).astype(jnp.int32) - 1
 
   votes = lax.fori_loop(0, words.shape[0], body, jnp.zeros((n,), jnp.int32))
+  if ties == "positive":
+    return jnp.where(votes >= 0, 1.0, -1.0).astype(jnp.float32)
   return jnp.sign(votes).astype(jnp.float32)
 
 
+def segment_sums(segs: Segments, *values: jax.Array) -> jax.Array:
+  """Per-segment sums of several float32 bucket vectors at once: ``(len(values), S)``.
+
+  One pass and one segment sum for all of them (counts of up to 2^24 entries
+  per segment are exact).
+  """
+  if segs.count == 1:
+    return jnp.stack([jnp.sum(v) for v in values])[:, None]
+  rows = jnp.stack([jnp.sum(segs.rows(v), axis=1) for v in values], axis=1)
+  return jax.ops.segment_sum(rows, jnp.asarray(segs.row_segment), segs.count, indices_are_sorted=True).T
+
+
+def mean_abs(x: jax.Array, segs: Segments) -> jax.Array:
+  """mean(|x|) of each segment (S,), over its true size (padding entries are zero)."""
+  return segs.sum(jnp.abs(x)) / jnp.asarray(segs.sizes, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
 class SignCodec(Codec):
-  """One bit per entry (1 for x >= 0), 8 per byte; combined by majority vote."""
+  """One bit per entry (1 for x >= 0), 8 per byte; combined by majority vote.
 
-  def encode(self, x, key):
-    return packing.pack_signs(x)
+  ``scaled``: one float32 per segment too, ``mean|x|``; the local decode is
+  ``mean|x| * sign(x)`` and the vote is scaled by the workers' mean of it.
+  ``ties``: see :func:`majority_vote`.
+  """
 
-  def decode(self, payload, key, n):
-    return packing.unpack_signs(payload, n)
+  scaled: bool = False
+  ties: str = "zero"
 
-  def aggregate(self, gathered, key, n, num):
-    return majority_vote(gathered, n)
+  @property
+  def block(self) -> int:
+    return 128 if self.scaled else 1
+
+  def encode(self, x, key, segs):
+    words = packing.pack_signs(x)
+    return (mean_abs(x, segs), words) if self.scaled else words
+
+  def decode(self, payload, key, segs):
+    if not self.scaled:
+      return packing.unpack_signs(payload, segs.length)
+    scale, words = payload
+    return segs.spread(scale) * packing.unpack_signs(words, segs.length)
+
+  def aggregate(self, gathered, key, segs, num):
+    if not self.scaled:
+      return majority_vote(gathered, segs.length, self.ties)
+    scales, words = gathered
+    return majority_vote(words, segs.length, self.ties) * segs.spread(jnp.mean(scales, axis=0))
 
 
-def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0):
-  """signSGD with majority vote: 1 bit per entry on the wire, no scale.
+def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0, ties: str = "zero",
+            bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
+  """signSGD with majority vote: 1 bit per entry on the wire.
 
   Each worker sends the packed signs of its gradient (``x >= 0`` counts as +1);
   the output is ``sign(sum of the workers' +-1)``, in {-1, 0, +1} (0 on a tie,
-  possible with an even number of workers). The learning rate of the next
-  transform sets the step size. Without error feedback signSGD is biased and
-  may stall (GRACE saw it diverge); ``error_feedback=True`` carries
-  ``x - sign(x)``.
+  possible with an even number of workers; ``ties="positive"`` gives +1
+  there, as GRACE does). The learning rate of the next transform sets the
+  step size. Without error feedback signSGD is biased and may stall (GRACE
+  saw it diverge).
+
+  With ``error_feedback=True`` the signs are scaled so that the residual stays
+  in gradient units: each worker also sends one float32 per leaf, the scale
+  ``mean|x|`` of its compensated gradient ``x``, counts ``mean|x| * sign(x)``
+  as sent (the residual is ``x - mean|x| * sign(x)``, EF-signSGD's scaled
+  sign) and the output is the majority vote times the workers' mean scale of
+  that leaf. (A residual ``x - sign(x)`` would subtract +-1 from a gradient:
+  a constant gradient of 0.01 would come out as +1, -1, +1, ...)
+
+  Args:
+    axis_name: the data-parallel axis, or None.
+    error_feedback: carry ``x - mean|x| * sign(x)`` (see above); default False.
+    seed: seeds the state's key (unused).
+    ties: what a tied vote gives: ``"zero"`` (default) or ``"positive"`` (+1).
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Bernstein et al., *signSGD: Compressed Optimisation for Non-Convex
     Problems*, ICML 2018; *signSGD with Majority Vote is Communication
-    Efficient and Fault Tolerant*, ICLR 2019.
+    Efficient and Fault Tolerant*, ICLR 2019; Karimireddy et al., *Error
+    Feedback Fixes SignSGD and other Gradient Compression Schemes*, ICML 2019
+    (the scaled sign).
   """
   ef = _args.flag("error_feedback", error_feedback)
-  return build(Method("signsgd", flat_route(CodecExchange(SignCodec())), Memory(enabled=ef)), axis_name, seed)
+  ties = _args.choice("ties", ties, TIES)
+  codec = SignCodec(scaled=ef, ties=ties)
+  return build(Method("signsgd", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
 
 
 class ScaledSignCodec(Codec):
-  """Packed signs plus one float32 scale, mean(|x|), per leaf."""
+  """Packed signs plus one float32 scale, mean(|x|), per segment."""
 
-  def encode(self, x, key):
-    return jnp.mean(jnp.abs(x)), packing.pack_signs(x)
+  block = 128
 
-  def decode(self, payload, key, n):
+  def encode(self, x, key, segs):
+    return mean_abs(x, segs), packing.pack_signs(x)
+
+  def decode(self, payload, key, segs):
     scale, words = payload
-    return scale * packing.unpack_signs(words, n)
+    return segs.spread(scale) * packing.unpack_signs(words, segs.length)
 
 
-def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0):
+def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
+              min_size: int | None = None, dense=None):
   """EF-signSGD: scaled signs with error feedback.
 
-  Memory ``x = e + lr * g``; the payload is ``mean|x|`` and the packed signs
-  of x; ``e <- x - mean|x| * sign(x)``; the gathered, decoded mean is divided
-  by ``lr`` so that the next transform sees gradient units.
+  Memory ``x = e + lr * g``; the payload is ``mean|x|`` of each leaf and the
+  packed signs of x; ``e <- x - mean|x| * sign(x)``; the gathered, decoded
+  mean is divided by ``lr`` so that the next transform sees gradient units.
 
   Args:
     lr: the learning rate the memory scales the gradient by (GRACE: 0.1); must
       be > 0.
+    axis_name: the data-parallel axis, or None.
+    seed: seeds the state's key (unused).
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Karimireddy et al., *Error Feedback Fixes SignSGD and other Gradient
@@ -81,7 +161,7 @@ def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0):
   """
   g = _args.positive("lr", lr)
   return build(Method("efsignsgd", flat_route(CodecExchange(ScaledSignCodec())), Memory(gamma=g)),
-               axis_name, seed)
+               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
 
 
 class MomentumMemory(Memory):
@@ -100,23 +180,27 @@ class MomentumMemory(Memory):
     return jax.tree.map(lambda g, m: b * m.astype(jnp.float32) + (1.0 - b) * g.astype(jnp.float32),
                         grads, state)
 
-  def update(self, x, sent, state):
+  def update(self, x, sent, state, buckets=None):
     return jax.tree.map(lambda x, m: jnp.where(jnp.isfinite(x), x, 0.0).astype(m.dtype), x, state)
 
 
-def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0):
+def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, ties: str = "zero",
+           bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
   """Signum: signSGD with local momentum, 1 bit per entry, majority vote.
 
   Each worker keeps ``m <- momentum * m + (1 - momentum) * g`` and sends the
   packed signs of m (``m >= 0`` counts as +1); the output is the majority vote
-  ``sign(sum of the workers' +-1)``, in {-1, 0, +1} (0 on a tie). There is no
-  error feedback; the learning rate of the next transform sets the step size
-  (use it without momentum).
+  ``sign(sum of the workers' +-1)``, in {-1, 0, +1} (0 on a tie;
+  ``ties="positive"`` gives +1 there, as GRACE does). There is no error
+  feedback; the learning rate of the next transform sets the step size (use
+  it without momentum).
 
   Args:
     momentum: beta in [0, 1) (Signum and GRACE: 0.9); 0 is signSGD.
     axis_name: the data-parallel axis, or None.
     seed: seeds the state's key (unused).
+    ties: what a tied vote gives: ``"zero"`` (default) or ``"positive"`` (+1).
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Bernstein, Wang, Azizzadenesheli & Anandkumar, *signSGD: Compressed
@@ -125,42 +209,50 @@ def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0):
     and Fault Tolerant*, ICLR 2019.
   """
   b = _args.unit_interval("momentum", momentum)
-  return build(Method("signum", flat_route(CodecExchange(SignCodec())), MomentumMemory(b)), axis_name, seed)
+  ties = _args.choice("ties", ties, TIES)
+  return build(Method("signum", flat_route(CodecExchange(SignCodec(ties=ties))), MomentumMemory(b)),
+               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
 
 
 class OneBitCodec(Codec):
-  """Packed signs plus two float32: the mean of the negatives and of the non-negatives."""
+  """Packed signs plus two float32 per segment: the mean of its negatives and of its non-negatives.
 
-  def encode(self, x, key):
-    # Counts from the packed bits and sums of min/max(x, 0): reductions that
-    # XLA:CPU vectorizes (a masked sum or a count of compares it does not).
+  Payload: ``means`` (2, S), row 0 the negatives', row 1 the non-negatives', then the words.
+  """
+
+  block = 128
+
+  def encode(self, x, key, segs):
     words = packing.pack_signs(x)
-    n_pos = jnp.sum(lax.population_count(words).astype(jnp.int32))
-    n_neg = x.shape[0] - n_pos
-    means = jnp.stack([
-        jnp.sum(jnp.minimum(x, 0.0)) / jnp.maximum(n_neg, 1),
-        jnp.sum(jnp.maximum(x, 0.0)) / jnp.maximum(n_pos, 1)])
+    # Padding entries are zeros: non-negative, adding nothing to the sums, not counted.
+    neg, pos, n_neg = segment_sums(segs, jnp.minimum(x, 0.0), jnp.maximum(x, 0.0),
+                                   (x < 0).astype(jnp.float32))
+    n_pos = jnp.asarray(segs.sizes, jnp.float32) - n_neg
+    means = jnp.stack([neg / jnp.maximum(n_neg, 1.0), pos / jnp.maximum(n_pos, 1.0)])
     return means, words
 
-  def decode(self, payload, key, n):
+  def decode(self, payload, key, segs):
     means, words = payload
-    return jnp.where(packing.unpack(words, 1, n) == 1, means[1], means[0])
+    return jnp.where(packing.unpack(words, 1, segs.length) == 1, segs.spread(means[1]), segs.spread(means[0]))
 
 
-def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0):
+def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
+           bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
   """1-bit SGD: one sign bit per entry and two reconstruction values, with error feedback.
 
   Each leaf is quantized to 1 bit per entry (``x >= 0`` or not), packed 8 per
-  byte, and the two values that reconstruct it: the mean of its negative
-  entries and the mean of its non-negative entries (float32 each; one pair
-  per leaf, as in GRACE). The quantization error is carried to the next step
-  (error feedback, on by default: 1-bit SGD depends on it). Payloads are
-  all-gathered, decoded and averaged.
+  byte (the bits of all leaves of a bucket together), and the two values that
+  reconstruct it: the mean of its negative entries and the mean of its
+  non-negative entries (float32 each; one pair per leaf, as in GRACE). The
+  quantization error is carried to the next step (error feedback, on by
+  default: 1-bit SGD depends on it). Payloads are all-gathered, decoded and
+  averaged.
 
   Args:
     axis_name: the data-parallel axis, or None.
     error_feedback: carry the quantization error (default True).
     seed: seeds the state's key (unused).
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Seide, Fu, Droppo, Li & Yu, *1-Bit Stochastic Gradient Descent and its
@@ -168,4 +260,5 @@ def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 
     Interspeech 2014, Sec. 2.
   """
   ef = _args.flag("error_feedback", error_feedback)
-  return build(Method("onebit", flat_route(CodecExchange(OneBitCodec())), Memory(enabled=ef)), axis_name, seed)
+  return build(Method("onebit", flat_route(CodecExchange(OneBitCodec())), Memory(enabled=ef)), axis_name,
+               seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
