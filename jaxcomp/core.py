@@ -58,6 +58,7 @@ class Ctx(NamedTuple):
   key: jax.Array  # shared by all workers; fold in axis.index for independence
   count: jax.Array  # int32 step, saturating: for schedules and start steps
   phase: jax.Array  # uint32 step modulo 2^32: for periodic choices (phase % period)
+  params: Any = None  # this bucket's parameters (float32), for exchanges with ``wants_params``
 
 
 # ----------------------------------------------------------------------------
@@ -149,10 +150,13 @@ class Exchange:
   then needs no flag collective to tell every worker about it.
   ``block``: segments start at multiples of it and are zero-padded to one
   (segment reductions work on rows of ``block`` entries).
+  ``wants_params``: the exchange reads the bucket's parameters, ``ctx.params``
+  (float32, laid out like ``x``; None when ``update`` got no ``params``).
   """
 
   carries_nonfinite: bool = False
   block: int = 1
+  wants_params: bool = False
 
   def init(self, view: Tuple[int, ...], group: int, key: jax.Array) -> Any:
     del view, group, key
@@ -408,11 +412,12 @@ def _nan_if_nonfinite(vectors) -> jax.Array:
   return total
 
 
-def _exchange_all(method: Method, buckets, x, extras, ctx: Ctx):
+def _exchange_all(method: Method, buckets, x, extras, ctx: Ctx, params):
   """Each bucket's exchange (or the method's fused exchange): lists of mean, local, extra."""
   if method.fused is None:
-    results = [b.exchange.exchange(xb, b.segments, e, ctx._replace(key=jax.random.fold_in(ctx.key, i)))
-               for i, (b, xb, e) in enumerate(zip(buckets, x, extras))]
+    results = [b.exchange.exchange(xb, b.segments, e, ctx._replace(key=jax.random.fold_in(ctx.key, i),
+                                                                   params=p))
+               for i, (b, xb, e, p) in enumerate(zip(buckets, x, extras, params))]
     return [list(r) for r in zip(*results)] if results else ([], [], [])
   plan, xs, states, where = [], [], [], []
   for i, (b, xb) in enumerate(zip(buckets, x)):
@@ -432,6 +437,15 @@ def _exchange_all(method: Method, buckets, x, extras, ctx: Ctx):
   return ([_join(m, b.segments) for m, b in zip(mean, buckets)],
           [_join(loc, b.segments) for loc, b in zip(local, buckets)],
           [tuple(e) for e in new_extra])
+
+
+def _bucket_params(buckets, treedef, params):
+  """The parameters of the buckets whose exchange ``wants_params`` (float32 vectors), else None."""
+  wanted = [bool(getattr(b.exchange, "wants_params", False)) for b in buckets]
+  if params is None or not any(wanted):
+    return [None] * len(buckets)
+  leaves = treedef.flatten_up_to(params)
+  return [layout.pack([b], leaves)[0] if w else None for b, w in zip(buckets, wanted)]
 
 
 def _check_state(method: Method, state, buckets, treedef):
@@ -530,7 +544,6 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
         memory=method.memory.init(zeros), extra=extra, phase=jnp.zeros((), jnp.uint32))
 
   def update_fn(updates, state, params=None):
-    del params
     if not isinstance(state, CompressState):
       raise TypeError(f"state must be the CompressState from tx.init, got {type(state).__name__}")
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
@@ -544,7 +557,9 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
 
     grads = tuple(layout.pack(buckets, leaves))                       # bucket
     x = method.memory.compensate(grads, state.memory)                 # compensate
-    mean, local, extra = _exchange_all(method, buckets, x, state.extra, ctx)  # encode, collective, decode
+    bucket_params = _bucket_params(buckets, treedef, params)
+    # encode, collective, decode
+    mean, local, extra = _exchange_all(method, buckets, x, state.extra, ctx, bucket_params)
     local = [jnp.where(b.segments.valid(), s, 0.0) if b.segments.has_pads else s
              for b, s in zip(buckets, local)]
     mean, local, extra = _guard_nonfinite(buckets, x, mean, local, extra, state, axis)

@@ -1,15 +1,19 @@
 """ACP-SGD: one all-reduce per step (or per bucket), half of PowerSGD's bytes,
-the algorithm against a numpy version of it, and convergence to the dense loss.
+the algorithm against a numpy version of it, and convergence to the dense loss;
+PowerSGD's buckets (two all-reduces each).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import AXIS, assert_replicas_equal, init_stacked, pmap_wire_bytes, run_pmap, worker_grads
+from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, pmap_wire_bytes,
+                     run_pmap, worker_grads)
 
 import jaxcomp
+from jaxcomp.core import groups
 from jaxcomp.transforms.acpsgd import phases
+from jaxcomp.transforms.lowrank import PowerSGDExchange, _view_groups
 
 RANK = 2
 
@@ -53,12 +57,21 @@ def _orthogonalize(p, eps=1e-8):
   return p
 
 
+def _group_states(tx, params, state):
+  """The state of every group of ``tx.method.plan``: ``state.extra`` holds one tuple per bucket
+  (a group's ``(P, Q)``), or ``()`` for a dense bucket."""
+  out = []
+  for b, extra in zip(tx.method.buckets(params), state.extra):
+    out += list(extra) if extra != () else [()] * len(groups(b.segments))
+  return out
+
+
 def reference(tx, params, grads_per_step):
   """ACP-SGD in numpy (float64): every worker's residual, the shared factors, the mean."""
   leaves = jax.tree.leaves(params)
   state = tx.init(params)
   factors = {}
-  for (ex, view, idx), extra in zip(tx.method.plan(leaves), state.extra):
+  for (ex, view, idx), extra in zip(tx.method.plan(leaves), _group_states(tx, params, state)):
     for j, i in enumerate(idx):
       if extra != ():
         factors[i] = [np.asarray(extra[0][j], np.float64), np.asarray(extra[1][j], np.float64)]
@@ -153,6 +166,51 @@ def test_one_all_reduce_per_bucket_and_buckets_do_not_change_the_algorithm():
       np.testing.assert_allclose(np.asarray(got[0], np.float64), w, rtol=2e-4, atol=2e-5)
 
 
+def test_powersgd_batches_views_per_bucket_in_two_all_reduces_each():
+  """PowerSGD in buckets: views batched, the P factors of a bucket in one all-reduce, its Qs in another."""
+  shapes = {"a": (20, 12), "b": (12, 20), "bias": (12,), "c": (20, 12), "d": (20, 12), "k": (3, 3, 4, 8)}
+  params = {name: jnp.zeros(shape, jnp.float32) for name, shape in shapes.items()}
+  tx = jaxcomp.powersgd(rank=RANK, axis_name=AXIS, bucket_bytes=3000)
+  buckets = [b for b in tx.method.buckets(params) if isinstance(b.exchange, PowerSGDExchange)]
+  assert [b.segments.views for b in buckets] == [((36, 8), (20, 12)), ((20, 12), (12, 20), (20, 12))]
+  state = init_stacked(tx, params)
+  lowered = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS).lower(worker_grads(params), state)
+  assert lowered.as_text().count("stablehlo.all_reduce") == 2 * len(buckets) + 1  # and the dense bias
+  assert jaxcomp.collective_bytes(lowered.compile().as_text())["total"] == jaxcomp.wire_bytes(tx, params)
+  leaves, treedef = jax.tree.flatten(params)
+  names = treedef.unflatten(list(range(len(leaves))))
+  q = {}
+  for b, extra in zip(tx.method.buckets(params), tx.init(params).extra):
+    if isinstance(b.exchange, PowerSGDExchange):
+      for (_, idx), Q in zip(_view_groups(b.segments), b.exchange.warm_start(b.segments, extra)):
+        for j, s in enumerate(idx):
+          q[b.leaves[s]] = np.asarray(Q[j], np.float64)
+  err = {i: 0.0 for i in q}
+  for step in range(3):
+    grads = worker_grads(params, seed=40 + step)
+    out, state = run_pmap(tx, grads, state)
+    assert_replicas_equal(out)
+    for name, i in names.items():
+      g = np.asarray(grads[name], np.float64)
+      if i not in q:
+        np.testing.assert_allclose(out[name][0], g.mean(0), rtol=1e-5, atol=1e-6)
+        continue
+      m = g.reshape(N, -1, g.shape[-1]) + err[i]
+      p = _orthogonalize(np.mean(m @ q[i], axis=0))
+      q[i] = np.mean(np.swapaxes(m, 1, 2) @ p, axis=0)
+      err[i] = m - p @ q[i].T
+      got = np.asarray(out[name][0]).reshape(p.shape[0], -1)
+      np.testing.assert_allclose(got, p @ q[i].T, rtol=2e-4, atol=2e-5)
+  # A NaN on one worker: every output NaN, the warm-started Qs kept; the next step is finite.
+  grads = worker_grads(params, seed=50)
+  grads["c"] = grads["c"].at[3, 0, 0].set(jnp.nan)
+  out, new_state = run_pmap(tx, grads, state)
+  assert all(np.isnan(np.asarray(x)).all() for x in jax.tree.leaves(out))
+  assert_trees_close(new_state.extra, state.extra, 0, 0)
+  out, _ = run_pmap(tx, worker_grads(params, seed=51), new_state)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(out))
+
+
 def test_without_balance_every_matrix_alternates_together():
   params = matrices_tree()
   tx = jaxcomp.acpsgd(rank=4, axis_name=AXIS, balance_phases=False)
@@ -192,11 +250,32 @@ def test_least_squares_reaches_the_dense_loss():
   assert acp <= 1.02 * dense, (acp, dense)  # measured: 0.1355 vs 0.1348
 
 
+def test_min_size_and_dense_leaves_travel_uncompressed_in_the_same_all_reduce():
+  params = model_tree()
+  leaves = jax.tree.leaves(params)
+  w3 = [i for i, x in enumerate(leaves) if x.shape == (16, 48)][0]
+  conv = [i for i, x in enumerate(leaves) if x.shape == (3, 3, 4, 8)][0]
+  mask = {k: k == "w3" for k in params}
+  tx = jaxcomp.acpsgd(rank=RANK, axis_name=AXIS, dense=mask, min_size=300)  # conv: 288 entries
+  compressed = {leaf for leaf, _ in phases(tx, params)}
+  assert w3 not in compressed and conv not in compressed and compressed
+  grads = worker_grads(params, seed=5)
+  out, _ = run_pmap(tx, grads, init_stacked(tx, params))
+  for name in ("w3", "conv"):
+    np.testing.assert_allclose(np.asarray(out[name][0]), np.asarray(grads[name]).mean(0), rtol=1e-5,
+                               atol=1e-6)
+  measured = _bytes(tx, params)
+  assert measured["count"] == 1
+  assert measured["total"] > _bytes(jaxcomp.acpsgd(rank=RANK, axis_name=AXIS), params)["total"]
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"rank": 0}, "rank must be >= 1"),
     ({"bucket_bytes": 0}, "bucket_bytes must be >= 1"),
     ({"min_compression_rate": 0.5}, "min_compression_rate must be >= 1"),
     ({"balance_phases": 1}, "balance_phases must be True or False"),
+    ({"min_size": -1}, "min_size must be >= 0"),
+    ({"dense": []}, "dense must be None, a pytree of bools"),
 ])
 def test_bad_arguments_name_themselves(kwargs, match):
   with pytest.raises((ValueError, TypeError), match=match):

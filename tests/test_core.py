@@ -9,6 +9,7 @@ import pytest
 import jaxcomp
 from jaxcomp.layout import Segments
 from jaxcomp.transforms import sparse
+from jaxcomp.transforms.lowrank import PowerSGDExchange
 from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, params_tree,
                      run_pmap, run_shard_map, worker_grads)
 
@@ -134,10 +135,12 @@ def test_powersgd_matches_numpy_with_warm_start():
             "conv": jnp.zeros((3, 3, 2, 5))}
   tx = jaxcomp.powersgd(rank=rank, axis_name=AXIS)
   state0 = tx.init(params)
-  (q0,) = [np.asarray(q, np.float64) for q in state0.extra if hasattr(q, "ndim") and q.ndim == 3]
+  bs = tx.method.buckets(params)
+  (b,) = [b for b in bs if isinstance(b.exchange, PowerSGDExchange)]
+  (q0,) = [np.asarray(q, np.float64) for q in b.exchange.warm_start(b.segments, state0.extra[bs.index(b)])]
   outs, _ = _run_steps(tx, params, 3)
   err = {k: np.zeros((N,) + v.shape) for k, v in params.items()}
-  q = {"a": q0[0], "b": q0[1]}
+  q = {"b": q0[0], "a": q0[1]}  # segments in reverse tree order
   for step in range(3):
     g = _np(worker_grads(params, seed=step))
     for name in ("bias", "conv"):  # 1-D, and a matrix too small to be worth compressing

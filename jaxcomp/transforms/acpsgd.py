@@ -246,7 +246,8 @@ class ACPFusion(FusedExchange):
 
 
 def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None = None,
-           min_compression_rate: float = 2.0, seed: int = 0, balance_phases: bool = True):
+           min_compression_rate: float = 2.0, seed: int = 0, balance_phases: bool = True,
+           min_size: int | None = None, dense=None):
   """ACP-SGD: PowerSGD's two factors sent on alternate steps, all layers in one all-reduce.
 
   Each leaf of rank >= 2 is viewed as a matrix M (``lowrank.matrix_view``:
@@ -275,17 +276,26 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
   then about half of PowerSGD's two all-reduces. Without it every matrix
   alternates together as in the paper, and the buffer holds
   ``max(sum of P sizes, sum of Q sizes)``. Initial P and Q come from ``seed``,
-  identical on every worker.
+  identical on every worker; ``state.extra`` holds, per bucket of the
+  builder, the ``(P, Q)`` of each group of same-view leaves
+  (:func:`jaxcomp.core.groups`; ``()`` for a group of uncompressed leaves).
 
   Args:
     rank: r >= 1 (the paper uses PowerSGD's ranks; 4 here).
     axis_name: the data-parallel axis, or None.
-    bucket_bytes: fuse into buckets of about this many bytes (> 0, leaf
-      granularity), one all-reduce each; None (default): one buffer.
+    bucket_bytes: ACP-SGD's own fusion buckets: the factors (and dense
+      leaves) of a step are packed into all-reduce buffers of about this many
+      bytes (> 0, leaf granularity), one all-reduce each; None (default): one
+      buffer. Unlike the other methods' ``bucket_bytes`` it does not size the
+      builder's buckets of gradients (those keep :func:`jaxcomp.build`'s
+      default): what ACP-SGD fuses is the factors, across those buckets.
     min_compression_rate: >= 1; compress a matrix only when PowerSGD's two
       factors are this many times smaller than it (default 2).
     seed: seeds the initial factors.
     balance_phases: give matrices phases that equalize the two kinds of step.
+    min_size, dense: the leaf policy, see :func:`jaxcomp.build`: leaves of
+      fewer than ``min_size`` entries, and those ``dense`` selects, travel
+      uncompressed in the fused buffers.
 
   References:
     Zhang, Zhang, Shi, Chu & Li, *Evaluation and Optimization of Gradient
@@ -310,7 +320,7 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
     return DENSE, (n,)
 
   method = Method("acpsgd", route, Memory(), fused=ACPFusion(bucket_bytes, balance))
-  return build(method, axis_name, seed)
+  return build(method, axis_name, seed, min_size=min_size, dense=dense)
 
 
 def phases(tx, params) -> Sequence[tuple[int, int]]:

@@ -10,28 +10,30 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.collectives import golomb, ops
+from jaxcomp import layout
+from jaxcomp.collectives import golomb, ops, packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Ctx, Exchange, Memory, Method, build, flat_route
-from jaxcomp.transforms import _args
+from jaxcomp.transforms import _args, selection
 from jaxcomp.transforms.sparse import scatter_mean
 
-
-def _bytes(x: jax.Array) -> jax.Array:
-  """A scalar as its little-endian-in-memory uint8 bytes (a 1-byte scalar as one byte)."""
-  if x.dtype.itemsize == 1:
-    return x.astype(jnp.uint8)[None]
-  return lax.bitcast_convert_type(x, jnp.uint8)
+_WORD = 32  # entries per packed mask word
+_SIGN = 0x7FFFFFFF
 
 
 class SBCState(NamedTuple):
-  """Per leaf group: the local update since the last sync and the residual, both ``(G, n)``.
+  """Per bucket: the shared anchor, the residual and whether the anchor is set.
 
-  With ``delay=1`` nothing accumulates and ``accumulated`` is ``(G, 0)``.
+  ``anchor``: the parameters every worker holds after the last sync (float32,
+  the bucket's layout; ``(0,)`` with ``delay=1``), the same bits on every
+  worker. ``residual``: what this worker has not sent yet. ``anchored``:
+  False until the first step with ``delay > 1`` takes the parameters as the
+  anchor.
   """
 
-  accumulated: jax.Array
+  anchor: jax.Array
   residual: jax.Array
+  anchored: jax.Array
 
 
 def binarize(a: jax.Array, k: int):
@@ -39,7 +41,8 @@ def binarize(a: jax.Array, k: int):
 
   Takes the ``k`` largest entries of ``a`` that are > 0 and the ``k`` largest
   of ``-a`` that are > 0, with mean magnitudes ``mu+`` and ``mu-``; keeps the
-  positive side when ``mu+ >= mu-``.
+  positive side when ``mu+ >= mu-``. (One vector; :class:`SBCExchange` does
+  every segment of a bucket at once.)
 
   Returns:
     ``(value, positions, count)``: the float32 value every selected entry is
@@ -59,128 +62,254 @@ def binarize(a: jax.Array, k: int):
   return jnp.where(plus, mup, -mun), jnp.sort(idx.astype(jnp.int32)), jnp.where(plus, cp, cn)
 
 
+def _row_sum(per_row: jax.Array, segs: layout.Segments) -> jax.Array:
+  """Per-segment sums of a per-row array (rows of ``segs.block`` entries, on the leading axis)."""
+  if segs.count == 1:
+    return jnp.sum(per_row, axis=0)[None]
+  return jax.ops.segment_sum(per_row, segs.row_segment, segs.count, indices_are_sorted=True)
+
+
+def _thresholds(bits: jax.Array, segs: layout.Segments, k: jax.Array):
+  """Per segment, the bit patterns of the ``k``-th largest positive entry and ``k``-th largest negative one.
+
+  ``bits``: the int32 bit pattern of a finite float32 bucket, whose order on
+  entries > 0 is that of the values, and on entries < 0 (sign bit set) that
+  of the magnitudes in the low 31 bits. The patterns are built bit by bit,
+  both sides in each pass: 31 passes over the bucket, each counting per row
+  of ``block`` entries, then per segment. A side with fewer than ``k``
+  entries gets 0.
+  """
+  rows = segs.rows(bits)
+  negative = rows < 0
+  magnitude = rows & _SIGN
+
+  def body(i, t):
+    tp, tn = t
+    bit = jnp.left_shift(jnp.int32(1), 30 - i)
+    cp, cn = tp | bit, tn | bit
+    above_p = jnp.sum((rows >= cp[segs.row_segment][:, None]).astype(jnp.int32), axis=1)
+    above_n = jnp.sum((negative & (magnitude >= cn[segs.row_segment][:, None])).astype(jnp.int32), axis=1)
+    tp = jnp.where(_row_sum(above_p, segs) >= k, cp, tp)
+    tn = jnp.where(_row_sum(above_n, segs) >= k, cn, tn)
+    return tp, tn
+
+  zero = jnp.zeros((segs.count,), jnp.int32) + (bits[0] & 0)  # typed like bits (shard_map's varying)
+  return lax.fori_loop(0, 31, body, (zero, zero))
+
+
+def _keep_first_ties(ties: jax.Array, need: jax.Array, segs: layout.Segments) -> jax.Array:
+  """Keeps the first ``need[s]`` set bits (in index order) of each segment's mask words."""
+  per = segs.block // _WORD
+  word_segment = np.repeat(segs.row_segment, per)
+  pc = lax.population_count(ties).astype(jnp.int32)
+  excl = jnp.cumsum(pc) - pc
+  base = excl[np.asarray(segs.offsets, np.int64) // _WORD]
+  q = jnp.clip(need[word_segment] - (excl - base[word_segment]), 0, _WORD)
+  top = selection._select_bit(ties, jnp.minimum(q, pc) - 1)  # the last kept bit, when 0 < q < pc
+  partial = ties & ((jnp.uint32(2) << top.astype(jnp.uint32)) - 1)
+  return jnp.where(q >= pc, ties, jnp.where(q <= 0, jnp.uint32(0), partial))
+
+
+def _segment_of(positions: jax.Array, segs: layout.Segments) -> jax.Array:
+  """The segment of each bucket position (positions past the bucket: the last segment)."""
+  if segs.count == 1:
+    return jnp.zeros(positions.shape, jnp.int32)
+  row = jnp.minimum(positions, segs.length - 1) // segs.block
+  return jnp.asarray(segs.row_segment)[row]
+
+
 @dataclasses.dataclass(frozen=True)
 class SBCExchange(Exchange):
-  """Local steps, then a sync: binarize, Golomb-code, all-gather, decode, mean.
+  """Local steps, then a sync: binarize every segment, Golomb-code, all-gather, decode, mean.
 
-  The payload of one leaf is one uint8 buffer: its float32 value (4 bytes),
-  the stream length (1, 2 or 4 bytes, the narrowest that holds the capacity)
-  and the Golomb bit buffer, so that a group of leaves crosses the axis in one
-  all-gather. The state (``extra``) is an :class:`SBCState`.
+  A sync works on the whole bucket: per segment (leaf) the top-k of each
+  side, the side's mean and the choice between them are found together for
+  all segments (a bisection on the float bit patterns, see
+  :func:`_thresholds`), and the positions of the whole bucket travel as ONE
+  Golomb stream (the gaps between consecutive selected positions of the
+  bucket; the decoder knows the segment of a position from the static
+  layout). The payload, one uint8 buffer and one all-gather per bucket: a
+  float32 value per segment (``mu+`` or ``-mu-``), the stream length (1, 2
+  or 4 bytes, the narrowest that holds the capacity) and the bit buffer.
+  The state (``extra``) of a bucket is an :class:`SBCState`.
   """
 
   sparsity: float
   delay: int
   capacity: float | None
   carries_nonfinite = True  # a non-finite A sends a NaN value, and every decoded mean is NaN
+  block = 128  # rows for the per-segment counts; 4 mask words, so no word straddles two segments
 
-  def sizes(self, n: int):
-    """``(k, b, capacity_bits)`` of a leaf of n entries."""
-    k = _args.count(self.sparsity, n)
+  @property
+  def wants_params(self) -> bool:
+    return self.delay > 1
+
+  def sizes(self, segs: layout.Segments):
+    """``(k, b, capacity_bits)`` of a bucket: ``k`` per segment (numpy), the stream's ``b`` and capacity."""
+    k = np.asarray([_args.count(self.sparsity, n) for n in segs.sizes], np.int64)
     b = golomb.golomb_b_star(self.sparsity)
-    worst = golomb.max_stream_bits(k, n, b)
+    worst = golomb.max_stream_bits(int(k.sum()), segs.length, b)
     if self.capacity is None:
       return k, b, worst
-    expected = k * golomb.expected_bits_per_position(self.sparsity, b)
+    expected = int(k.sum()) * golomb.expected_bits_per_position(self.sparsity, b)
     return k, b, max(1, min(worst, int(np.ceil(self.capacity * expected))))
 
-  def _nbits_dtype(self, n: int):
-    return _args.index_dtype(self.sizes(n)[2] + 1)
+  def _nbits_dtype(self, segs):
+    return _args.index_dtype(self.sizes(segs)[2] + 1)
 
-  def init(self, view, group, key):
-    (n,) = view
-    acc = n if self.delay > 1 else 0
-    return SBCState(jnp.zeros((group, acc), jnp.float32), jnp.zeros((group, n), jnp.float32))
+  def init_bucket(self, segs, key):
+    del key
+    n = segs.length
+    return SBCState(jnp.zeros((n if self.delay > 1 else 0,), jnp.float32), jnp.zeros((n,), jnp.float32),
+                    jnp.zeros((), jnp.bool_))
 
-  def _encode(self, a):
-    n = a.shape[-1]
-    k, b, cap = self.sizes(n)
+  def bucket_wire_bytes(self, segs):
+    _, _, cap = self.sizes(segs)
+    return 4 * segs.count + np.dtype(self._nbits_dtype(segs)).itemsize + golomb.words_for(cap)
+
+  def _encode(self, a, segs):
+    """This worker's payload and the dense vector it stands for."""
+    kk, b, cap = self.sizes(segs)
+    n, total = segs.length, int(kk.sum())
+    k = jnp.asarray(kk, jnp.int32)
     finite = jnp.isfinite(a)
-    value, pos, count = binarize(jnp.where(finite, a, 0.0), k)
-    words, nbits, sent = golomb.encode_positions(pos, count, n, b, cap)
-    pos = jnp.where(jnp.arange(k) < sent, pos, n)
-    local = jnp.zeros((n,), jnp.float32).at[pos].set(value, mode="drop")
+    a = jnp.where(finite, a, 0.0)
+    bits = lax.bitcast_convert_type(a, jnp.int32)
+    tp, tn = _thresholds(bits, segs, k)
+    tp, tn = jnp.maximum(tp, 1), jnp.maximum(tn, 1)  # a side with fewer than k entries: all of them
+    negative, magnitude = bits < 0, bits & _SIGN
+    tp_e, tn_e = segs.spread(tp), segs.spread(tn)
+    above_p, tie_p = bits > tp_e, bits == tp_e
+    above_n, tie_n = negative & (magnitude > tn_e), negative & (magnitude == tn_e)
+
+    # Per segment, for each side: entries above the threshold, entries at it, the sum above it.
+    def per_segment(vectors):
+      return _row_sum(jnp.stack([segs.rows(v).sum(axis=1) for v in vectors], 1), segs)
+
+    counts = per_segment([v.astype(jnp.int32) for v in (above_p, tie_p, above_n, tie_n)])
+    sums = per_segment([jnp.where(above_p, a, 0.0), jnp.where(above_n, -a, 0.0)])
+
+    def side(strict, at, summed, t):
+      count = jnp.minimum(k, strict + at)
+      tied = count - strict  # entries equal to the threshold that make up the k
+      return (summed + tied * lax.bitcast_convert_type(t, jnp.float32)) / jnp.maximum(count, 1), tied
+
+    mup, tied_p = side(counts[:, 0], counts[:, 1], sums[:, 0], tp)
+    mun, tied_n = side(counts[:, 2], counts[:, 3], sums[:, 1], tn)
+    plus = mup >= mun
+    value = jnp.where(plus, mup, -mun)
+    plus_e = segs.spread(plus)
+    strict = selection.pack_mask(jnp.where(plus_e, above_p, above_n))
+    ties = selection.pack_mask(jnp.where(plus_e, tie_p, tie_n))
+    words = strict | _keep_first_ties(ties, jnp.where(plus, tied_p, tied_n), segs)
+    pos, count = selection.compact(words, n, total)
+    stream, nbits, sent = golomb.encode_positions(pos, count, n, b, cap)
+    pos = jnp.where(jnp.arange(total) < sent, pos, n)
+    local = jnp.zeros((n,), jnp.float32).at[pos].set(value[_segment_of(pos, segs)], mode="drop")
     flagged = jnp.where(jnp.all(finite), value, jnp.nan).astype(jnp.float32)
-    header = [lax.bitcast_convert_type(flagged, jnp.uint8), _bytes(nbits.astype(self._nbits_dtype(n)))]
-    return jnp.concatenate(header + [words]), local, flagged
+    return (flagged, nbits.astype(self._nbits_dtype(segs)), stream), local
 
-  def _mean(self, gathered, n: int, num: int):
-    k, b, _ = self.sizes(n)
-    dtype = np.dtype(self._nbits_dtype(n))
-    value = lax.bitcast_convert_type(gathered[:, :4], jnp.float32)
-    nbits = gathered[:, 4:4 + dtype.itemsize]
-    nbits = nbits[:, 0] if dtype.itemsize == 1 else lax.bitcast_convert_type(nbits, dtype)
-    words = gathered[:, 4 + dtype.itemsize:]
-    pos, _ = jax.vmap(lambda w, m: golomb.decode_positions(w, m, b, k, n))(words, nbits)
-    mean = scatter_mean(jnp.broadcast_to(value[:, None], pos.shape), pos, n, num)
-    return jnp.where(jnp.all(jnp.isfinite(value)), mean, jnp.nan)
+  def _mean(self, gathered, segs, num: int):
+    kk, b, _ = self.sizes(segs)
+    n, total = segs.length, int(kk.sum())
+    values, nbits, stream = gathered
+    pos, _ = jax.vmap(lambda w, m: golomb.decode_positions(w, m, b, total, n))(stream, nbits)
+    vals = jnp.take_along_axis(values, _segment_of(pos, segs), axis=1)
+    mean = scatter_mean(vals, pos, n, num)
+    return jnp.where(jnp.all(jnp.isfinite(values)), mean, jnp.nan)
 
-  def _sync(self, X, state: SBCState, ctx: Ctx):
-    n = X.shape[-1]
-    acc = state.accumulated if self.delay > 1 else 0.0
-    a = state.residual + (acc + X)
-    payload, local, value = jax.vmap(self._encode)(a)
+  def _exchange_sent(self, a, segs, ctx: Ctx):
+    """Every worker sends its binarized ``a``: (mean of what was sent, what this worker sent)."""
+    payload, local = self._encode(a, segs)
     if ctx.axis.name is None:
-      mean = jnp.where(jnp.isfinite(value)[:, None], local, jnp.nan)
+      return jnp.where(jnp.all(jnp.isfinite(payload[0])), local, jnp.nan), local
+    gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    return self._mean(gathered, segs, ctx.axis.size), local
+
+  def _sync(self, x, segs, state: SBCState, ctx: Ctx, params, anchor):
+    if params is None:  # delay=1: every worker is at the last sync point
+      a = state.residual + x
     else:
-      gathered = jnp.swapaxes(ops.allgather(payload, ctx.axis), 0, 1)
-      mean = jax.vmap(lambda p: self._mean(p, n, ctx.axis.size))(gathered)
+      a = state.residual + ((params - anchor) + x)
+    mean, local = self._exchange_sent(a, segs, ctx)
     residual = jnp.where(jnp.isfinite(a), a - local, 0.0)
-    return mean - acc, local, SBCState(jnp.zeros_like(state.accumulated), residual)
+    if params is None:
+      return mean, local, SBCState(state.anchor, residual, state.anchored)
+    target = anchor + mean  # the next sync point, the same bits on every worker
+    return target - params, local, SBCState(target, residual, jnp.ones((), jnp.bool_))
 
-  def _local(self, X, state: SBCState):
-    acc = state.accumulated + X
-    acc = jnp.where(jnp.isfinite(acc), acc, 0.0)
-    return X, jnp.zeros_like(X), SBCState(acc, state.residual)
-
-  def __call__(self, X, extra, ctx: Ctx):
+  def exchange(self, x, segs, extra, ctx: Ctx):
     if self.delay == 1:
-      return self._sync(X, extra, ctx)
-    return lax.cond(ctx.phase % self.delay == self.delay - 1,
-                    lambda: self._sync(X, extra, ctx), lambda: self._local(X, extra))
+      return self._sync(x, segs, extra, ctx, None, None)
+    params = getattr(ctx, "params", None)
+    if params is None:
+      raise ValueError(
+          f"sbc with delay={self.delay} needs the parameters: call tx.update(updates, state, params)"
+          " (optax.chain passes them on); the output of a sync step is computed from them so that"
+          " every worker ends the sync at the same parameters.")
+    anchor = jnp.where(extra.anchored, extra.anchor, params)
 
-  def wire_bytes(self, view, group):
-    (n,) = view
-    _, _, cap = self.sizes(n)
-    return group * (4 + np.dtype(self._nbits_dtype(n)).itemsize + golomb.words_for(cap))
+    def local_step():
+      return x, jnp.zeros_like(x), SBCState(anchor, extra.residual, jnp.ones((), jnp.bool_))
+
+    return lax.cond(ctx.phase % self.delay == self.delay - 1,
+                    lambda: self._sync(x, segs, extra, ctx, params, anchor), local_step)
 
 
 def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
-        capacity: float | None = None, seed: int = 0):
+        capacity: float | None = None, seed: int = 0, bucket_bytes: int | None = None,
+        min_size: int | None = None, dense=None):
   """Sparse Binary Compression: communication delay + binarized top-p + Golomb positions.
 
   Place it after the optimizer: its input is each worker's local parameter
   update, e.g. ``optax.chain(optax.sgd(lr), jaxcomp.sbc(axis_name="data"))``.
   Steps are grouped in periods of ``delay``: on the first ``delay - 1`` steps
-  of a period the update passes through unchanged (each worker moves locally)
-  and is added to the accumulated local update ``dW``. On the last step of the
-  period (every step when ``delay=1``) each worker forms
-  ``A = residual + dW + update`` and, per leaf of n entries with
+  of a period the update passes through unchanged (each worker moves
+  locally). On the last step of the period (every step when ``delay=1``) each
+  worker forms ``A = residual + (params - anchor) + update``, where
+  ``anchor`` holds the parameters at the last sync (the same on every
+  worker) and ``params - anchor`` is thus how far the worker moved locally
+  (0 with ``delay=1``), and, per leaf of n entries with
   ``k = ceil(sparsity * n)``, takes the k largest positive entries of A and
   the k largest of -A, with mean magnitudes mu+ and mu-; it sends the side
-  with the larger mean as one float32 value (mu+ or -mu-) and its positions,
-  as gaps Golomb-coded with ``b* = 1 + floor(log2(ln(phi - 1) /
-  ln(1 - sparsity)))`` (:mod:`jaxcomp.collectives.golomb`) in a fixed-size
-  bit buffer plus the stream length. Payloads are all-gathered and decoded in
-  XLA; the output is ``mean_sent - dW``, so every worker ends at the last
-  sync point plus the mean of what the workers sent (bit-identical replicas
-  with ``delay=1``; up to float rounding of the local accumulation
-  otherwise). What was not sent, ``A - sent``, stays in the residual; ``dW``
-  restarts from 0.
+  with the larger mean as one float32 value (mu+ or -mu-) and its positions.
+  The positions of all leaves of a bucket travel as one stream of gaps
+  Golomb-coded with ``b* = 1 + floor(log2(ln(phi - 1) / ln(1 - sparsity)))``
+  (:mod:`jaxcomp.collectives.golomb`) in a fixed-size bit buffer plus the
+  stream length. Payloads are all-gathered (one all-gather per bucket) and
+  decoded in XLA. What was not sent, ``A - sent``, stays in the residual.
+
+  The output of a sync step with ``delay=1`` is the mean of what the workers
+  sent. With ``delay > 1`` the new sync point is ``anchor' = anchor + mean``
+  (float32, computed from values every worker shares: the same bits
+  everywhere) and the output is ``anchor' - params``, so that
+  ``params + output`` lands on ``anchor'``: exactly, on every worker, for
+  float32 parameters whenever ``anchor' - params`` is exact in float32 (by
+  Sterbenz's lemma, whenever ``params`` and ``anchor'`` have the same sign
+  and are within a factor 2 of each other: every parameter whose local moves
+  of a period are small against it); otherwise (a parameter crossing zero
+  in the period) within half an ulp of ``anchor' - params``. The anchor is
+  kept in the state, so such rounding is never carried to the next period:
+  replicas meet again at every sync, whatever the length of the run
+  (summing the local updates instead left float rounding that grew with it).
+  This needs the parameters: call ``tx.update(updates, state, params)``
+  (``optax.chain`` passes them on; they must be identical on every worker at
+  the first step). The first step takes them as the anchor.
 
   :func:`jaxcomp.wire_bytes` gives the bytes of one sync step; the average
   per step is that divided by ``delay``. A period is counted from the state's
   ``phase`` (the step count modulo 2^32, which keeps counting where ``count``
   saturates), so the first sync is at step ``delay - 1`` (0-based). The state
-  holds the accumulated update (only when ``delay > 1``) and the residual in
-  ``state.extra`` (one :class:`SBCState` per group of same-size leaves,
-  stacked ``(G, n)``).
+  holds one :class:`SBCState` per bucket in ``state.extra``: the anchor (only
+  when ``delay > 1``) and the residual, in the bucket's layout. Leaves that
+  travel dense (``min_size``, ``dense``) are averaged every step, local
+  steps included.
   Non-finite values: on a sync step a worker whose A holds a NaN or Inf
   sends a NaN value, so every worker's output is NaN and :func:`jaxcomp.build`
   skips the step on all replicas together (state kept as it was, the
-  accumulated update and residual included; the next sync is one period
-  later). A local step communicates nothing: a non-finite update makes only
-  that worker's output NaN, and its accumulated update ignores the step.
+  anchor and residual included; the period then lasts until the next sync).
+  A local step communicates nothing: a non-finite update makes only that
+  worker's output NaN.
 
   Args:
     sparsity: p, the fraction of each leaf's entries per side, in (0, 1]
@@ -188,12 +317,14 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
     delay: local steps per communication, an int >= 1 (the paper trades it
       against sparsity; 1 syncs every step).
     axis_name: the data-parallel axis, or None for a local round trip.
-    capacity: the bit buffer of a leaf as a multiple of the expected stream
-      length ``k * expected_bits_per_position(sparsity)``; positions whose
-      codes do not fit are not sent and stay in the residual. None (default)
-      sizes it at ``golomb.max_stream_bits``, which no set of k positions
-      exceeds (about 4-6% above the expected length at p = 0.001-0.01).
+    capacity: the bit buffer of a bucket as a multiple of the expected stream
+      length ``K * expected_bits_per_position(sparsity)`` (K: the sum of the
+      leaves' k); positions whose codes do not fit (the last ones of the
+      bucket) are not sent and stay in the residual. None (default) sizes it
+      at ``golomb.max_stream_bits``, which no set of K positions exceeds
+      (about 4-6% above the expected length at p = 0.001-0.01).
     seed: seeds the state's key (SBC itself draws nothing).
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Sattler, Wiedemann, Müller & Samek, *Sparse Binary Compression: Towards
@@ -207,8 +338,10 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
   p = _args.ratio("sparsity", sparsity)
   d = _args.integer("delay", delay, 1, 2 ** 31 - 1)  # the step count is int32
   if golomb.golomb_b_star(p) > 30:
-    raise ValueError(f"sparsity must be >= 1e-9 (Golomb-coded positions need b <= 30), got sparsity={sparsity!r}")
+    raise ValueError(
+        f"sparsity must be >= 1e-9 (Golomb-coded positions need b <= 30), got sparsity={sparsity!r}")
   if capacity is not None:
     capacity = _args.positive("capacity", capacity)
   exchange = SBCExchange(p, d, capacity)
-  return build(Method("sbc", flat_route(exchange), Memory(enabled=False)), axis_name, seed)
+  return build(Method("sbc", flat_route(exchange), Memory(enabled=False)), axis_name, seed,
+               bucket_bytes, min_size, dense)
