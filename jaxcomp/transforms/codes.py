@@ -57,6 +57,7 @@ def sample_positions(key: jax.Array, segs: Segments, sample_size: int) -> jax.Ar
   holds its positions, then repeats its first); a larger one gets
   ``sample_size`` positions drawn uniformly with replacement.
   """
+  sample_size = min(int(sample_size), max(segs.sizes))  # any larger value means "whole segments"
   width = sample_width(segs, sample_size)
   n = np.asarray(segs.sizes, np.int64)[:, None]
   col = lax.broadcasted_iota(jnp.int32, (segs.count, width), 1)
@@ -96,7 +97,7 @@ class SketchCodec(Codec):
     samples.
     """
     q = self.num_buckets(segs)
-    m = np.minimum(np.asarray(segs.sizes, np.int64), self.sample_size)
+    m = np.minimum(np.asarray(segs.sizes, np.int64), min(self.sample_size, max(segs.sizes)))
     pos = sample_positions(key, segs, self.sample_size)
     col = lax.broadcasted_iota(jnp.int32, pos.shape, 1)
     sample = jnp.where(col < jnp.asarray(m, jnp.int32)[:, None], x[pos], jnp.inf)
