@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxcomp
+from jaxcomp.layout import Segments
 from jaxcomp.transforms import dgc as dgc_mod
 from jaxcomp.transforms import threshold as thr_mod
 
@@ -29,7 +30,7 @@ def pmapped(name):
       "threshold": lambda: jaxcomp.threshold(v=0.5, capacity=1.0, axis_name=AXIS),
       "onebit": lambda: jaxcomp.onebit(axis_name=AXIS),
       "signum": lambda: jaxcomp.signum(momentum=0.9, axis_name=AXIS),
-      "dgc": lambda: jaxcomp.dgc(ratio=0.05, momentum=0.9, axis_name=AXIS),
+      "dgc": lambda: jaxcomp.dgc(ratio=0.05, momentum=0.9, warmup_steps=0, clip_norm=None, axis_name=AXIS),
       "adaq": lambda: jaxcomp.adaq(ratio=0.3, encoding="map", axis_name=AXIS),
       "adaq_indices": lambda: jaxcomp.adaq(ratio=0.3, encoding="indices", axis_name=AXIS),
   }[name]()
@@ -44,15 +45,24 @@ def step_grads(params, step):
   return jax.tree.map(np.asarray, harness.worker_grads(params, seed=100 + step))
 
 
+def memory_trees(tx, state, params):
+  """``state`` (stacked over workers) with its memory read as trees like ``params`` (see memory_tree)."""
+  if not jax.tree.leaves(state.memory):
+    return state
+  read = jax.vmap(lambda m: jaxcomp.memory_tree(tx, state._replace(memory=m), params))
+  return state._replace(memory=read(state.memory))
+
+
 def run_steps(tx, params, steps=STEPS):
-  """Runs ``tx`` under pmap; returns [(grads, out, state)] per step (numpy)."""
+  """Runs ``tx`` under pmap; returns [(grads, out, state)] per step (numpy, memory as trees)."""
   state = harness.init_stacked(tx, params)
   trace = []
   for t in range(steps):
     g = step_grads(params, t)
     out, state = harness.run_pmap(tx, g, state)
     harness.assert_replicas_equal(out)
-    trace.append((g, jax.tree.map(np.asarray, out), jax.tree.map(np.asarray, state)))
+    state_np = jax.tree.map(np.asarray, memory_trees(tx, state, params))
+    trace.append((g, jax.tree.map(np.asarray, out), state_np))
   return trace
 
 
@@ -157,6 +167,70 @@ def test_signum_matches_numpy():
   check_against(run_steps(pmapped("signum"), small_params()), np_signum(0.9))
 
 
+def _tied_grads(params):
+  """Half the workers +1, half -1 on even entries (a tied vote); all +1 or all -1 elsewhere."""
+  def one(p):
+    n = max(p.size, 1)
+    sign = np.where(np.arange(N) < N // 2, 1.0, -1.0)[:, None]
+    tied = np.arange(n)[None, :] % 2 == 0
+    clear = np.where(np.arange(n) % 4 == 1, 1.0, -1.0)[None, :]
+    g = np.where(tied, sign, clear) * (1.0 + np.arange(n)[None, :] % 3)
+    return g.reshape((N,) + p.shape).astype(np.float32)
+  return jax.tree.map(one, params)
+
+
+@pytest.mark.parametrize("name", ["signsgd", "signum"])
+def test_majority_vote_ties(name):
+  """A tie gives 0 by default and +1 with ties="positive" (GRACE's sum >= 0 -> +1)."""
+  params = small_params()
+  g = _tied_grads(params)
+  kwargs = {"momentum": 0.0} if name == "signum" else {}
+  for ties in ("zero", "positive"):
+    tx = jaxcomp.METHODS[name](axis_name=AXIS, ties=ties, **kwargs)
+    out, _ = harness.run_pmap(tx, g, harness.init_stacked(tx, params))
+    harness.assert_replicas_equal(out)
+    for k in g:
+      votes = np.where(g[k] >= 0, 1, -1).sum(0)
+      want = np.sign(votes) if ties == "zero" else np.where(votes >= 0, 1.0, -1.0)
+      assert (votes == 0).any() and (votes != 0).any()
+      np.testing.assert_array_equal(out[k][0], want, err_msg=f"{k} {ties}")
+
+
+def test_signsgd_error_feedback_stays_in_gradient_units():
+  """The residual is x - mean|x| sign(x): a constant gradient 0.01 comes out as 0.01 every step."""
+  params = small_params()
+  tx = jaxcomp.signsgd(error_feedback=True)
+  g = jax.tree.map(lambda p: jnp.full(p.shape, 0.01, jnp.float32), params)
+  state = tx.init(params)
+  for _ in range(4):
+    out, state = harness.local_round_trip(tx, g, state)
+    for k in g:
+      np.testing.assert_allclose(out[k], 0.01, rtol=1e-6)
+  # Conservation on random gradients: sent + new residual == old residual + gradient.
+  state = tx.init(params)
+  for t in range(3):
+    grads = jax.tree.map(lambda a: a[0], step_grads(params, t))
+    before = jaxcomp.memory_tree(tx, state, params)
+    out, state = harness.local_round_trip(tx, grads, state)
+    after = jaxcomp.memory_tree(tx, state, params)
+    for k in grads:
+      x = np.asarray(before[k]) + grads[k]
+      np.testing.assert_allclose(np.asarray(out[k]) + np.asarray(after[k]), x, rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(np.asarray(out[k]), np.mean(np.abs(x)) * np.where(x >= 0, 1.0, -1.0),
+                                 rtol=1e-6, atol=1e-7)
+  # Over 8 workers: the vote times the workers' mean scale of each leaf, and one float32 scale per leaf.
+  tx = jaxcomp.signsgd(error_feedback=True, axis_name=AXIS)
+  grads = step_grads(params, 0)
+  out, _ = harness.run_pmap(tx, grads, harness.init_stacked(tx, params))
+  for k in grads:
+    flat = grads[k].reshape(N, -1)
+    scale = np.abs(flat).mean(1).mean()
+    want = np.sign(np.where(flat >= 0, 1, -1).sum(0)) * scale
+    np.testing.assert_allclose(out[k][0].reshape(-1), want, rtol=1e-5, atol=1e-7)
+  # Each leaf padded to 128 entries (1 bit each), two float32 scales, the 4-byte non-finite flag.
+  assert jaxcomp.wire_bytes(tx, params) == 2 * 128 // 8 + 2 * 4 + 4
+
+
 def test_dgc_momentum_correction_and_masking_match_numpy():
   # Leaves of <= 128 entries are their own sample: the selection is the exact top-k.
   trace = run_steps(pmapped("dgc"), small_params())
@@ -173,13 +247,14 @@ def test_adaq_matches_numpy(name):
 
 
 def _local_steps(tx, steps=2):
+  """Local round trips on ``harness.params_tree()`` (one bucket); memories read as trees."""
   params = harness.params_tree()
   state = tx.init(params)
   for t in range(steps):
     g = jax.tree.map(lambda a: a[0], harness.worker_grads(params, seed=t))
-    before = state.memory
+    before = jaxcomp.memory_tree(tx, state, params)
     out, state = harness.local_round_trip(tx, g, state)
-    yield g, before, out, state
+    yield g, before, out, state._replace(memory=jaxcomp.memory_tree(tx, state, params))
 
 
 def _residual_steps(tx, steps=2):
@@ -206,20 +281,27 @@ def test_threshold_empty_selection():
   out, state = harness.run_pmap(tx, g, harness.init_stacked(tx, params))
   for o in jax.tree.leaves(out):
     np.testing.assert_array_equal(o, 0.0)
-  harness.assert_trees_close(state.memory, g, rtol=0, atol=0)
+  harness.assert_trees_close(memory_trees(tx, state, params).memory, g, rtol=0, atol=0)
 
 
 def test_threshold_payload_count_within_capacity():
   codec = thr_mod.ThresholdCodec(0.0, 0.25)
-  x = jnp.asarray(np.random.default_rng(0).normal(size=1000), jnp.float32)
-  values, idx, count = codec.encode(x, jax.random.PRNGKey(3))
-  assert values.shape == (250,) and idx.dtype == jnp.uint16 and int(count) == 250
-  assert len(np.unique(np.asarray(idx))) == 250
+  # Two leaves in one bucket (1000 and 300 entries, each padded to rows of 128): 250 + 75 slots.
+  segs = Segments((0, 1024), (1000, 300), ((1000,), (300,)), codec.block)
+  x = np.zeros(segs.length, np.float32)
+  x[:1000] = np.random.default_rng(0).normal(size=1000)
+  x[1024:1324] = np.random.default_rng(1).normal(size=300)
+  values, idx, count = codec.encode(jnp.asarray(x), jax.random.PRNGKey(3), segs)
+  assert values.shape == (325,) and idx.dtype == jnp.uint16 and int(count) == 325
+  idx = np.asarray(idx)
+  assert len(np.unique(idx)) == 325
+  assert np.sum(idx < 1000) == 250 and np.sum((idx >= 1024) & (idx < 1324)) == 75  # per leaf, no padding
+  np.testing.assert_array_equal(np.asarray(values), x[idx])
 
 
 def test_dgc_conservation_and_capacity():
   ratio, beta = 0.01, 0.9
-  tx = jaxcomp.dgc(ratio=ratio, momentum=beta)
+  tx = jaxcomp.dgc(ratio=ratio, momentum=beta, warmup_steps=0, clip_norm=None)
   for g, before, out, state in _local_steps(tx, steps=3):
     for gi, o, u, v, uo, vo in zip(*map(jax.tree.leaves, (
         g, out, state.memory.momentum, state.memory.accumulation, before.momentum, before.accumulation))):
@@ -271,7 +353,7 @@ def test_dgc_warmup_schedule():
 def test_dgc_schedule_sizes_payload_and_is_followed():
   params = harness.params_tree()
   warm = jaxcomp.dgc(ratio=0.001, warmup_steps=4, axis_name=AXIS)
-  plain = jaxcomp.dgc(ratio=0.001, axis_name=AXIS)
+  plain = jaxcomp.dgc(ratio=0.001, warmup_steps=0, axis_name=AXIS)
   n_big = 40 * 24
   assert dgc_mod.capacity(n_big, 0.25) == int(np.ceil(1.3 * 0.25 * n_big))
   assert jaxcomp.wire_bytes(warm, params) > jaxcomp.wire_bytes(plain, params)
@@ -292,16 +374,58 @@ def test_dgc_schedule_sizes_payload_and_is_followed():
 def test_dgc_local_clipping():
   params = small_params()
   clip = 0.5
-  tx = jaxcomp.dgc(ratio=0.01, clip_norm=clip, axis_name=AXIS)
+  tx = jaxcomp.dgc(ratio=0.01, clip_norm=clip, warmup_steps=0, axis_name=AXIS)
   g = step_grads(params, 0)
   _, state = harness.run_pmap(tx, g, harness.init_stacked(tx, params))
   norm = np.sqrt(sum(np.sum(np.square(a.reshape(N, -1)), axis=1) for a in jax.tree.leaves(g)))
   scale = np.minimum(1.0, clip / np.sqrt(N) / norm)
+  momentum = memory_trees(tx, state, params).memory.momentum
   for k in g:
-    u = np.asarray(state.memory.momentum[k])
+    u = np.asarray(momentum[k])
     want = g[k] * scale.reshape((N,) + (1,) * (g[k].ndim - 1))
     np.testing.assert_allclose(u, np.where(u == 0, 0.0, want), rtol=1e-5, atol=1e-7)
     assert np.count_nonzero(u) >= u.size - N * int(np.ceil(0.01 * u[0].size)) * 2
+
+
+def test_dgc_dense_leaves_keep_their_momentum():
+  """Issue 13.1: a leaf below min_size travels dense, all of it sent: plain momentum, no masking.
+
+  With a constant gradient of 1 the dense bias comes out as 1, 1.9, 2.71 (u <- 0.9 u + 1), not 1
+  every step (momentum zeroed by factor masking); the compressed kernel still masks.
+  """
+  params = {"w": jnp.zeros((40, 24), jnp.float32), "b": jnp.zeros((24,), jnp.float32)}
+  tx = jaxcomp.dgc(ratio=0.01, momentum=0.9, warmup_steps=0, clip_norm=None, min_size=100)
+  assert sorted(b.exchange is jaxcomp.core.DENSE for b in tx.method.buckets(params)) == [False, True]
+  state = tx.init(params)
+  got = []
+  for t in range(3):
+    g = {"w": jax.random.normal(jax.random.PRNGKey(t), (40, 24)), "b": jnp.ones((24,), jnp.float32)}
+    out, state = harness.local_round_trip(tx, g, state)
+    got.append(np.asarray(out["b"]))
+    mem = jaxcomp.memory_tree(tx, state, params)
+    np.testing.assert_array_equal(np.asarray(mem.accumulation["b"]), 0.0)  # everything was sent
+    sent = np.asarray(out["w"]) != 0
+    assert sent.any() and not np.any(np.asarray(mem.momentum["w"])[sent])  # masked where sent
+  np.testing.assert_allclose(np.stack(got), np.broadcast_to(np.array([1.0, 1.9, 2.71])[:, None], (3, 24)),
+                             rtol=1e-6)
+
+
+def test_dgc_defaults_are_the_papers_method():
+  """Issue 13.5: local clipping and the sparsity warm-up are on by default (in steps)."""
+  tx = jaxcomp.dgc()
+  assert tx.method.memory.clip_norm == dgc_mod.CLIP_NORM == 5.0
+  assert tx.method.memory.momentum == 0.9
+  params = {"w": jnp.zeros((1000,), jnp.float32)}
+  (bucket,) = tx.method.buckets(params)
+  ex = bucket.exchange
+  assert ex.max_ratio == 0.25  # the payload holds the densest warm-up stage
+  steps = dgc_mod.WARMUP_STEPS
+  got = [float(ex.ratio(jnp.int32(t))) for t in (0, steps // 4, steps - 1, steps)]
+  np.testing.assert_allclose(got, [0.25, 0.0625, 0.00390625, 0.001], rtol=1e-6)
+  # With a schedule the warm-up is off by default (build it into the schedule).
+  sched = jaxcomp.dgc(ratio=optax.constant_schedule(0.01), max_ratio=0.01)
+  (bucket,) = sched.method.buckets(params)
+  assert bucket.exchange.max_ratio == 0.01
 
 
 def test_adaq_encoding_choice():
@@ -309,6 +433,9 @@ def test_adaq_encoding_choice():
   assert codec.uses_map(1000) and codec.uses_map(10**6)
   sparse = thr_mod.AdaQCodec(0.01, 0.01, 0.013, "auto")
   assert not sparse.uses_map(10**6)  # 0.013 * 32 bits < 2 bits per entry
+  # A bucket decides for all its leaves: 2 bits per bucket entry against its slots' positions.
+  segs = Segments((0, 1024), (1000, 1000), ((1000,), (1000,)), codec.block)
+  assert codec.uses_map(segs) and not sparse.uses_map(segs)  # 512 bytes vs 26 uint16 positions
 
 
 def test_adaq_indices_overflow_conserves():
@@ -346,10 +473,10 @@ def test_nominal_bytes_per_method():
   n = 1000
   want = {
       "threshold": 100 * (4 + 2) + 4,
-      "dgc": dgc_mod.capacity(n, 0.001) * 6 + 4,
-      "adaq": 8 + 250,  # two means + 2 bits per entry
+      "dgc": dgc_mod.capacity(n, 0.25) * 6 + 4,  # the default warm-up's densest stage sizes the payload
+      "adaq": 8 + 256,  # two means + 2 bits per entry, the leaf padded to 1024 entries (rows of 128)
       "signum": 125,
-      "onebit": 8 + 125,
+      "onebit": 8 + 128,  # the 1000 entries padded to 1024 (segments of 128-entry rows)
   }
   for name, nbytes in want.items():
     assert jaxcomp.wire_bytes(jaxcomp.METHODS[name](), params) == nbytes, name
@@ -377,6 +504,8 @@ def test_nominal_bytes_per_method():
     (lambda: jaxcomp.dgc_warmup_schedule(0.001, 0), ValueError, "warmup_steps must be"),
     (lambda: jaxcomp.signum(momentum=1.5), ValueError, "momentum must be in"),
     (lambda: jaxcomp.signum(momentum=True), TypeError, "momentum must be"),
+    (lambda: jaxcomp.signum(ties="up"), ValueError, r"ties must be one of \('zero', 'positive'\)"),
+    (lambda: jaxcomp.signsgd(ties=0), ValueError, "ties must be one of"),
     (lambda: jaxcomp.onebit(error_feedback="yes"), TypeError, "error_feedback must be"),
     (lambda: jaxcomp.adaq(ratio=0.0), ValueError, "ratio must be in"),
     (lambda: jaxcomp.adaq(capacity=2.0), ValueError, "capacity must be in"),

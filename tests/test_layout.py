@@ -8,7 +8,6 @@ import pytest
 from harness import AXIS, N, init_stacked, pmap_wire_bytes, run_pmap, worker_grads
 
 import jaxcomp
-from jaxcomp import layout
 from jaxcomp.core import DENSE
 
 

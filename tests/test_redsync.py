@@ -25,6 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxcomp
+from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args, selection
 from jaxcomp.transforms.redsync import MomentumCorrection
 
@@ -156,10 +157,15 @@ def test_selection_arguments_are_checked():
 # The method
 
 
-def _sent(grads, state, new_state):
+def _memory(tx, state, params):
+  """The residual of a state stacked over workers, as trees like ``params``."""
+  return jax.vmap(lambda m: jaxcomp.memory_tree(tx, state._replace(memory=m), params))(state.memory)
+
+
+def _sent(tx, params, grads, state, new_state):
   """What each worker sent, x - new residual, computed in float32 as the memory does."""
   return jax.tree.map(lambda g, e, e2: (np.asarray(e) + np.asarray(g)) - np.asarray(e2),
-                      grads, state.memory, new_state.memory)
+                      grads, _memory(tx, state, params), _memory(tx, new_state, params))
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -174,7 +180,7 @@ def test_variants_send_what_they_count_and_keep_the_rest(kwargs):
     grads = worker_grads(params, seed=20 + step)
     out, new_state = jax.device_get(run_pmap(tx, grads, state))
     assert_replicas_equal(out)
-    sent = _sent(grads, state, new_state)
+    sent = _sent(tx, params, grads, state, new_state)
     for s, o in zip(jax.tree.leaves(sent), jax.tree.leaves(out)):
       np.testing.assert_allclose(np.asarray(o[0]), s.mean(axis=0), rtol=1e-5, atol=1e-6)
     kernel = sent["dense"]["kernel"].reshape(sent["dense"]["kernel"].shape[0], -1)  # sparse
@@ -239,16 +245,127 @@ def test_momentum_correction_masks_sent_entries_and_keeps_the_rest():
   for step in range(3):
     g = jax.random.normal(jax.random.PRNGKey(step), (40, 24))
     out, new = update({"w": g}, state)
-    u_old, v_old = np.asarray(state.memory.momentum["w"]), np.asarray(state.memory.accumulation["w"])
+    old_mem, new_mem = jaxcomp.memory_tree(tx, state, params), jaxcomp.memory_tree(tx, new, params)
+    u_old, v_old = np.asarray(old_mem.momentum["w"]), np.asarray(old_mem.accumulation["w"])
     x = v_old + 0.9 * u_old + np.asarray(g)
     sent = np.asarray(out["w"]) != 0
     assert 0 < sent.sum() <= 2 * _args.count(0.05, 960)
-    np.testing.assert_allclose(np.asarray(new.memory.accumulation["w"]) + np.asarray(out["w"]), x,
+    np.testing.assert_allclose(np.asarray(new_mem.accumulation["w"]) + np.asarray(out["w"]), x,
                                rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(new.memory.momentum["w"])[sent], 0.0)
-    np.testing.assert_allclose(np.asarray(new.memory.momentum["w"])[~sent], (x - v_old)[~sent],
+    np.testing.assert_array_equal(np.asarray(new_mem.momentum["w"])[sent], 0.0)
+    np.testing.assert_allclose(np.asarray(new_mem.momentum["w"])[~sent], (x - v_old)[~sent],
                                rtol=1e-5, atol=1e-6)
     state = new
+
+
+def test_dense_leaves_keep_their_momentum():
+  """Issue 13.1: leaves below min_size travel dense and keep their momentum (no factor masking).
+
+  A constant gradient of 1 on a 24-entry bias gives 1, 1.9, 2.71 (u <- 0.9 u + 1); masking every
+  entry as sent gave 1.0 every step.
+  """
+  tx = jaxcomp.redsync(ratio=0.05, momentum=0.9, axis_name=None)
+  params = {"w": jnp.zeros((40, 24)), "b": jnp.zeros((24,))}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  bias = []
+  for step in range(3):
+    out, state = update({"w": jax.random.normal(jax.random.PRNGKey(step), (40, 24)), "b": jnp.ones((24,))},
+                        state)
+    bias.append(np.asarray(out["b"]))
+    mem = jaxcomp.memory_tree(tx, state, params)
+    np.testing.assert_allclose(np.asarray(mem.momentum["b"]), [1.0, 1.9, 2.71][step], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(mem.accumulation["b"]), 0.0)
+    sent = np.asarray(out["w"]) != 0
+    assert sent.any() and not np.any(np.asarray(mem.momentum["w"])[sent])  # sparse leaves still mask
+  np.testing.assert_allclose(np.stack(bias)[:, 0], [1.0, 1.9, 2.71], rtol=1e-6)
+
+
+def test_min_size_is_the_bucket_policy():
+  tx = jaxcomp.redsync(axis_name=None)
+  assert tx.method.min_size == 256
+  params = {"w": jnp.zeros((40, 24)), "b": jnp.zeros((300,))}
+  dense = [b.exchange is jaxcomp.core.DENSE for b in tx.method.buckets(params)]
+  assert dense == [False]  # both leaves compressed, in one bucket
+  masked = jaxcomp.redsync(axis_name=None, dense={"w": False, "b": True})
+  assert sorted(b.exchange is jaxcomp.core.DENSE for b in masked.method.buckets(params)) == [False, True]
+  assert jaxcomp.redsync(min_size=None).method.min_size is None  # the library's default
+
+
+# ----------------------------------------------------------------------------
+# Segments: every leaf of a bucket at once, the same selection as leaf by leaf
+
+
+def _bucket(sizes, seed, kind="normal"):
+  segs = Segments(tuple(int(o) for o in np.cumsum([0] + [-(-n // 128) * 128 for n in sizes[:-1]])),
+                  tuple(sizes), tuple((n,) for n in sizes), 128)
+  x = np.zeros(segs.length, np.float32)
+  for s, n in enumerate(sizes):
+    x[segs.offsets[s]:segs.offsets[s] + n] = _data(kind, n, seed + s)[0]
+  return x, segs
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "sparse"])
+def test_segment_search_matches_each_leaf_alone(kind):
+  sizes = (1000, 37, 300, 4099)
+  x, segs = _bucket(sizes, 5, kind)
+  k = np.array([_args.count(0.01, n) for n in sizes])
+  guess = jnp.asarray([0.0, 0.5, 3.0, 1e30], jnp.float32)
+  both = jax.jit(lambda x, t: (selection.segment_binary_search(x, segs, k, threshold=t),
+                               selection.segment_trimmed_topk(x, segs, k)))
+  bs, tr = both(jnp.asarray(x), guess)
+  bs_idx, tr_idx = np.asarray(bs.indices), np.asarray(tr.indices)
+  caps = np.minimum(2 * k, sizes)
+  assert bs_idx.shape == (caps.sum(),) and tr_idx.shape == (k.sum(),)
+  for s, n in enumerate(sizes):
+    o = segs.offsets[s]
+    leaf = x[o:o + n]
+    alone = selection.threshold_binary_search(jnp.asarray(leaf), int(k[s]), threshold=guess[s])
+    mine = bs_idx[(bs_idx >= o) & (bs_idx < o + n)] - o
+    np.testing.assert_array_equal(mine, np.asarray(alone.indices)[:int(alone.count)], err_msg=str(s))
+    assert float(bs.threshold[s]) == float(alone.threshold)
+    top = tr_idx[k[:s].sum():k[:s + 1].sum()] - o
+    np.testing.assert_array_equal(top, np.argsort(-np.abs(leaf), kind="stable")[:k[s]], err_msg=str(s))
+  assert int(bs.count) == np.sum((bs_idx < segs.length)) and int(tr.count) == k.sum()
+
+
+@pytest.mark.parametrize("n", [1, 32, 256, 257, 1000, 70001])
+def test_prefix_sums_match_numpy(n):
+  v = np.random.default_rng(n).integers(-40, 40, n).astype(np.int32)
+  np.testing.assert_array_equal(np.asarray(jax.jit(selection.prefix_sum)(jnp.asarray(v))), np.cumsum(v))
+  lengths = np.array([n // 3, n - 2 * (n // 3), n // 3]) if n >= 3 else np.array([n])
+  sums = jax.jit(lambda v: selection.run_sums(v, lengths))(jnp.asarray(v))
+  np.testing.assert_array_equal(np.asarray(sums), [c.sum() for c in np.split(v, np.cumsum(lengths)[:-1])])
+
+
+@given(first=st.lists(st.integers(0, 200), min_size=3, max_size=3), density=st.sampled_from([0.01, 0.3, 1.0]),
+       seed=st.integers(0, 3))
+def test_cap_segments_matches_numpy(first, density, seed):
+  """At most caps[s] bits per segment, the first in circular order from a word of the segment.
+
+  cap_segments + compact, and compact_segments (one prefix sum), against numpy.
+  """
+  sizes, caps = (1000, 37, 4099), np.array([7, 64, 100])
+  _, segs = _bucket(sizes, 0)
+  rng = np.random.default_rng(seed)
+  mask = np.zeros(segs.length, bool)
+  for s, n in enumerate(sizes):
+    mask[segs.offsets[s]:segs.offsets[s] + n] = rng.random(n) < density
+  words, kept = jax.jit(lambda w, f: selection.cap_segments(w, segs, caps, f))(
+      selection.pack_mask(jnp.asarray(mask)), jnp.asarray(first, jnp.int32))
+  idx, count = selection.compact(words, segs.length, int(caps.sum()))
+  one = jax.jit(lambda w, f: selection.compact_segments(w, segs, caps, start_words=f))(
+      selection.pack_mask(jnp.asarray(mask)), jnp.asarray(first, jnp.int32))
+  for a, b in zip(one, (idx, count, kept)):  # the fused form: the same positions, counts, kept bits
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  idx = np.asarray(idx)[:int(count)]
+  for s, n in enumerate(sizes):
+    o, p = segs.offsets[s], segs.padded_sizes[s]
+    w0 = first[s] % (p // 32) * 32
+    order = o + np.concatenate([np.arange(w0, p), np.arange(0, w0)])
+    ref = np.sort(order[mask[order]][:caps[s]])
+    np.testing.assert_array_equal(idx[(idx >= o) & (idx < o + p)], ref)
+    assert int(kept[s]) == ref.size
 
 
 @pytest.mark.parametrize("kwargs, match", [

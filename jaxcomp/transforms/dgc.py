@@ -10,19 +10,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.collectives import ops
+from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName, current_axis
-from jaxcomp.core import Ctx, Exchange, Memory, Method, build, flat_route
+from jaxcomp.core import DENSE, Ctx, Exchange, Memory, Method, build, flat_route
+from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.threshold import (
-  key_int,
+  BLOCK,
   passes,
-  refine_threshold,
-  sampled_threshold,
+  refine_thresholds,
+  sampled_thresholds,
+  segment_ints,
   select,
   sparse_bytes,
   sparse_decode,
   sparse_mean,
+  sparse_payload,
   target,
 )
 
@@ -30,6 +33,8 @@ Schedule = Callable[[jax.Array], jax.Array]
 
 WARMUP_START = 0.25  # DGC's first warm-up density (75% sparsity), divided by 4 per stage
 CAPACITY_FACTOR = 1.3  # the adjusted count is within 1.3 k, the payload holds that many
+WARMUP_STEPS = 1000  # the default warm-up, in steps (the paper's is 4 epochs)
+CLIP_NORM = 5.0  # the default local clipping threshold: a guard, not a tuned value
 
 
 def warmup_schedule(ratio: float, warmup_steps: int, stages: int = 4) -> Schedule:
@@ -54,21 +59,38 @@ def warmup_schedule(ratio: float, warmup_steps: int, stages: int = 4) -> Schedul
 
 
 class DGCState(NamedTuple):
-  """DGC's memory: the corrected momentum ``u`` and the accumulation ``v`` (trees like params)."""
+  """DGC's memory: the corrected momentum ``u`` and the accumulation ``v``.
+
+  Each field is in the bucket layout (one float32 vector per bucket); read
+  them as trees like the parameters with :func:`jaxcomp.memory_tree`.
+  """
 
   momentum: Any
   accumulation: Any
 
 
+def dense_buckets(buckets, count: int) -> list:
+  """One bool per bucket: True where the bucket travels dense (every entry is sent)."""
+  if buckets is None:
+    return [False] * count
+  return [b.exchange is DENSE for b in buckets]
+
+
 class DGCMemory(Memory):
   """Momentum correction, factor masking and local clipping (DGC Sec. 3.2-3.3).
 
-  ``compensate``: clip g (optional), ``u <- m u + g``, ``v <- v + u``; the
-  codec sends part of v. ``update``: zero v and u where v was sent (the sent
+  ``compensate``: clip g (optional; the norm is that of the whole local
+  gradient, every bucket), ``u <- m u + g``, ``v <- v + u``; the exchange
+  sends part of v. ``update``: zero v and u where v was sent (the sent
   entries are the nonzero entries of the local decode, since an exact zero is
   never selected); v keeps exactly what was not sent. The memory interface
   does not hand the gradient to ``update``, so u is recovered there as
   ``v_new - v_old``: the same value up to one float32 rounding of v.
+
+  Buckets that travel dense (leaves below ``min_size``, or marked ``dense``)
+  send every entry: there v is emptied but u is not masked, so those leaves
+  get plain momentum SGD (``u <- m u + g`` sent whole) instead of losing
+  their momentum every step.
   """
 
   def __init__(self, momentum: float, clip_norm: float | None, axis_name: AxisName):
@@ -76,13 +98,15 @@ class DGCMemory(Memory):
     self.momentum, self.clip_norm, self.axis_name = momentum, clip_norm, axis_name
 
   def init(self, params):
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return DGCState(momentum=zeros, accumulation=zeros)
+    # Two sets of buffers: a state whose fields share one cannot be donated.
+    return DGCState(momentum=jax.tree.map(jnp.zeros_like, params),
+                    accumulation=jax.tree.map(jnp.zeros_like, params))
 
   def _clip(self, grads):
     if self.clip_norm is None:
       return grads
     workers = current_axis(self.axis_name).size
+    # Over every bucket, dense ones included: the norm of the whole local gradient (padding is 0).
     norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
     limit = self.clip_norm / np.sqrt(workers)
     scale = jnp.where(jnp.isfinite(norm) & (norm > limit), limit / norm, 1.0)
@@ -93,12 +117,18 @@ class DGCMemory(Memory):
     u = jax.tree.map(lambda u, g: self.momentum * u.astype(jnp.float32) + g, state.momentum, g)
     return jax.tree.map(lambda v, u: v.astype(jnp.float32) + u, state.accumulation, u)
 
-  def update(self, x, sent, state):
-    keep = jax.tree.map(lambda x, s: (s == 0) & jnp.isfinite(x), x, sent)
-    u = jax.tree.map(lambda k, x, v, u: jnp.where(k, x - v.astype(jnp.float32), 0.0).astype(u.dtype),
-                     keep, x, state.accumulation, state.momentum)
-    v = jax.tree.map(lambda k, x, v: jnp.where(k, x, 0.0).astype(v.dtype), keep, x, state.accumulation)
-    return DGCState(momentum=u, accumulation=v)
+  def update(self, x, sent, state, buckets=None):
+    us, vs = [], []
+    for xb, sb, vb, ub, dense in zip(x, sent, state.accumulation, state.momentum,
+                                     dense_buckets(buckets, len(x))):
+      if dense:
+        us.append(jnp.where(jnp.isfinite(xb), xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype))
+        vs.append(Memory.update(self, (xb,), (sb,), (vb,))[0])
+      else:
+        keep = (sb == 0) & jnp.isfinite(xb)
+        us.append(jnp.where(keep, xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype))
+        vs.append(jnp.where(keep, xb, 0.0).astype(vb.dtype))
+    return DGCState(momentum=tuple(us), accumulation=tuple(vs))
 
   def like_params(self, state):
     return state.momentum
@@ -111,71 +141,91 @@ def capacity(n: int, max_ratio: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DGCExchange(Exchange):
-  """Sampled threshold, adjusted to ``0.7-1.3 k``, fixed-capacity sparse payload, all-gather."""
+  """Sampled threshold per leaf, adjusted to ``0.7-1.3 k``; one fixed-capacity payload per bucket.
+
+  Works on the whole bucket: the thresholds of all its leaves (segments) are
+  estimated from one sort of their samples and adjusted by counting passes
+  over the bucket, the mask is capped per segment and compacted once, and the
+  payload (values, bucket positions, count) is all-gathered in one collective.
+  """
 
   schedule: Schedule
   max_ratio: float
   sample_ratio: float
+  block = BLOCK
 
-  def encode(self, x, key, ratio):
-    n = x.shape[0]
-    cap = capacity(n, self.max_ratio)
-    a = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
-    thr = sampled_threshold(a, key_int(key, 0, n), ratio, self.max_ratio, self.sample_ratio)
-    k = jnp.maximum(target(ratio, n), 1.0)
-    thr = refine_threshold(a, thr, k, low=0.7, high=1.3, up=1.3, down=0.7, iterations=10)
-    idx, count = select(passes(a, thr), cap, key_int(key, 1, n))
-    values = jnp.where(jnp.arange(cap) < count, x[idx], 0.0)
-    return values, idx.astype(_args.index_dtype(n)), count
+  def caps(self, segs: Segments) -> np.ndarray:
+    return np.asarray([capacity(n, self.max_ratio) for n in segs.sizes], np.int64)
 
   def ratio(self, count):
     return jnp.clip(jnp.asarray(self.schedule(count), jnp.float32), 0.0, self.max_ratio)
 
-  def __call__(self, X, extra, ctx: Ctx):
-    group, n = X.shape
-    ratio = self.ratio(ctx.count)
-    keys = jax.random.split(jax.random.fold_in(ctx.key, ctx.axis.index), group)
-    payload = jax.vmap(lambda x, k: self.encode(x, k, ratio))(X, keys)
-    local = jax.vmap(lambda p: sparse_decode(*p, n))(payload)
+  def encode(self, x, key, ratio, segs: Segments):
+    a = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
+    thr = sampled_thresholds(a, segs, segment_ints(key, 0, segs.sizes), ratio, self.max_ratio,
+                             self.sample_ratio)
+    k = jnp.maximum(target(ratio, np.asarray(segs.sizes, np.float32)), 1.0)
+    thr = refine_thresholds(a, thr, k, segs, low=0.7, high=1.3, up=1.3, down=0.7, iterations=10)
+    idx, count = select(passes(a, segs.spread(thr)), segs, self.caps(segs), key, word=1)
+    return sparse_payload(x, idx, count, segs.length)
+
+  def init_bucket(self, segs, key):
+    return ()
+
+  def exchange(self, x, segs, extra, ctx: Ctx):
+    n = segs.length
+    payload = self.encode(x, jax.random.fold_in(ctx.key, ctx.axis.index), self.ratio(ctx.count), segs)
+    local = sparse_decode(*payload, n)
     if ctx.axis.name is None:
       return local, local, extra
-    gathered = ops.allgather(payload, ctx.axis)
-    gathered = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), gathered)
-    mean = jax.vmap(lambda p: sparse_mean(*p, n, ctx.axis.size))(gathered)
-    return mean, local, extra
+    gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    return sparse_mean(*gathered, n, ctx.axis.size), local, extra
 
-  def wire_bytes(self, view, group):
-    (n,) = view
-    return group * sparse_bytes(n, capacity(n, self.max_ratio))
+  def bucket_wire_bytes(self, segs):
+    return sparse_bytes(segs.length, int(self.caps(segs).sum()))
 
 
 def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: float = 0.9,
-        sample_ratio: float = 0.01, warmup_steps: int = 0, max_ratio: float | None = None,
-        clip_norm: float | None = None, seed: int = 0):
-  """Deep Gradient Compression: momentum correction, factor masking, sampled-threshold top-k.
+        sample_ratio: float = 0.01, warmup_steps: int | None = None, max_ratio: float | None = None,
+        clip_norm: float | None = CLIP_NORM, seed: int = 0, bucket_bytes: int | None = None,
+        min_size: int | None = None, dense=None):
+  """Deep Gradient Compression: momentum correction, factor masking, local clipping, warm-up.
 
-  Per worker and leaf: (optionally) the local gradient is clipped to global
-  norm ``clip_norm / sqrt(N)``; the momentum is corrected,
-  ``u <- momentum * u + g`` and ``v <- v + u``; v is sparsified: the
-  threshold is the ``ceil(ratio * s)``-th largest ``|v|`` of a strided sample
-  of ``s = max(ceil(sample_ratio * n), 128)`` entries (a leaf of at most 128
-  entries is its own sample, so its selection is an exact top-k), then scaled
-  x1.3 / x0.7 up to 10 times until the count is within 0.7-1.3 of
-  ``k = max(1, ceil(ratio * n))`` (if it never is, the threshold whose count
-  was closest to k is used). The selected entries are sent and zeroed in both
-  v and u (momentum factor masking); everything else stays. The output is the
-  mean of what the workers sent: it already contains the momentum, so follow
-  it with plain SGD (``optax.sgd(lr)`` without momentum). Thresholds come
-  from the finite entries of v; a non-finite entry is reset to 0 in u and v
-  (and the builder turns that step's output into NaN, see ``core.build``).
+  The defaults are the paper's method, all four parts on: local gradient
+  clipping, momentum correction, momentum factor masking and a warm-up of
+  the sparsity (in steps, since an epoch's length is not known here).
 
-  The payload is static: ``cap = ceil(1.3 * max_ratio * n)`` float32 values
-  and narrow indices plus an int32 count, all-gathered. Entries past ``cap``
-  (only when the adjustments do not bring the count under 1.3 k; those sent
-  are the first in circular order from a random offset) stay in v and u. During a warm-up, the capacity holds the densest
-  stage, so the payload is that large for the whole run; to shrink it after
-  the warm-up, build a second ``dgc`` without warm-up: the state (``u``, ``v``)
-  carries over unchanged.
+  Per worker: the local gradient is clipped to global norm
+  ``clip_norm / sqrt(N)`` (the norm of the whole gradient, all leaves); the
+  momentum is corrected, ``u <- momentum * u + g`` and ``v <- v + u``; each
+  leaf's v is sparsified: the threshold is the ``ceil(ratio * s)``-th largest
+  ``|v|`` of a strided sample of ``s = max(ceil(sample_ratio * n), 128)``
+  entries (a leaf of at most 16384 entries is its own sample, so its
+  selection is an exact top-k: the thresholds of a bucket's leaves are
+  adjusted together, and small leaves' few-entry samples would cost every
+  leaf extra counting passes), then scaled x1.3 / x0.7 up to 10 times until the count
+  is within 0.7-1.3 of ``k = max(1, ceil(ratio * n))`` (if it never is, the
+  threshold whose count was closest to k is used). The selected entries are
+  sent and zeroed in both v and u (momentum factor masking); everything else
+  stays. Leaves that travel dense (fewer than ``min_size`` entries, or
+  marked ``dense``) send all of v and keep their momentum u (no masking:
+  nothing is delayed there). The output is the mean of what the workers
+  sent: it already contains the momentum, so follow it with plain SGD
+  (``optax.sgd(lr)`` without momentum). Thresholds come from the finite
+  entries of v; a non-finite entry is reset to 0 in u and v (and the builder
+  turns that step's output into NaN, see ``core.build``).
+
+  The payload is static: per leaf ``cap = ceil(1.3 * max_ratio * n)`` slots,
+  summed over the leaves of a bucket, of float32 values and bucket positions
+  (the narrowest integer dtype for the bucket) plus one int32 count per
+  bucket, all-gathered once per bucket. Entries past a leaf's ``cap`` (only
+  when the adjustments do not bring the count under 1.3 k; those sent are
+  the first in circular order from a random offset) stay in v and u. During
+  a warm-up the capacity holds the densest stage (``max_ratio = 0.25``), so
+  the payload is that large for the whole run (about 2 bytes per entry with
+  uint16 positions): to shrink it after the warm-up, build a second ``dgc``
+  with ``warmup_steps=0`` and switch to it; the state (``u``, ``v``) carries
+  over unchanged.
 
   Args:
     ratio: density sent, in (0, 1] (DGC: 0.001; GRACE's code defaults to 0.3),
@@ -183,17 +233,25 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
       ``max_ratio`` is required and the schedule is clipped to it).
     axis_name: the data-parallel axis, or None.
     momentum: the momentum m of the correction, in [0, 1) (DGC trains with
-      0.9; GRACE's DgcMemory default is 0.3).
+      0.9, GRACE's DGC memory default is 0.9 too).
     sample_ratio: sample size as a fraction of n, in (0, 1] (DGC: 0.001-0.01;
       GRACE: 0.01).
     warmup_steps: with a float ratio, DGC's exponential warm-up of sparsity
       (75%, 93.75%, 98.4375%, 99.6%, then ``1 - ratio``) over this many steps
-      (:func:`warmup_schedule`); 0 (default) disables it.
+      (:func:`warmup_schedule`, four equal stages). None (default) means
+      1000 steps with a float ratio (the paper warms up over 4 epochs: set 4
+      epochs' worth of steps when you know them) and none with a schedule;
+      0 disables it.
     max_ratio: the largest ratio a schedule produces, in (0, 1]; sizes the
       payload. Only with a schedule.
     clip_norm: local gradient clipping threshold (> 0) before the scaling by
-      ``N ** -0.5``; None (default) disables clipping.
+      ``N ** -0.5``. Default 5.0, a guard against exploding accumulations
+      rather than a tuned value: set the global clipping threshold your model
+      trains with. None disables clipping.
     seed: seeds the key (sample offsets).
+    bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
+    min_size: the bucket policy, see :func:`jaxcomp.build`.
+    dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Lin, Han, Mao, Wang & Dally, *Deep Gradient Compression: Reducing the
@@ -203,16 +261,18 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
   """
   m = _args.unit_interval("momentum", momentum)
   sr = _args.ratio("sample_ratio", sample_ratio)
+  if warmup_steps is None:
+    warmup_steps = 0 if callable(ratio) else WARMUP_STEPS
   w = _args.integer("warmup_steps", warmup_steps, 0, 2 ** 31 - 1)  # the step count is int32
   clip = None if clip_norm is None else _args.positive("clip_norm", clip_norm)
   if callable(ratio):
     if max_ratio is None:
       raise ValueError("max_ratio is required when ratio is a schedule: it sizes the payload"
                        " (the largest ratio the schedule returns), in (0, 1]")
+    schedule, top = ratio, _args.ratio("max_ratio", max_ratio)
     if w:
       raise ValueError(f"warmup_steps applies to a float ratio only; got warmup_steps={warmup_steps!r}"
                        " with a schedule (build the warm-up into the schedule)")
-    schedule, top = ratio, _args.ratio("max_ratio", max_ratio)
   else:
     r = _args.ratio("ratio", ratio)
     if max_ratio is not None:
@@ -223,4 +283,5 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
     else:
       schedule, top = (lambda step: jnp.float32(r)), r
   exchange = DGCExchange(schedule, top, sr)
-  return build(Method("dgc", flat_route(exchange), DGCMemory(m, clip, axis_name)), axis_name, seed)
+  return build(Method("dgc", flat_route(exchange), DGCMemory(m, clip, axis_name)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)

@@ -3,10 +3,15 @@
 XLA needs static shapes, so a selection whose size varies travels in a buffer
 of fixed ``capacity`` plus an int32 count; slots past the count are ignored by
 the receiver. What does not fit is simply not sent, and error feedback keeps it
-for a later step. Selection never sorts the whole vector: a mask, a cumsum and
-one scatter compact it (see DESIGN.md, "Selection on CPU"); thresholds that
-must hit a target count are estimated by a top-k over a small strided sample
-and then adjusted by a few passes of counting.
+for a later step. Everything works on a whole bucket (:mod:`jaxcomp.layout`):
+one payload per bucket whose capacity is the sum of its leaves' capacities,
+positions are bucket positions, and per-leaf quantities (a capacity, a
+threshold, a mean) are per segment, computed for all segments at once.
+Selection never sorts the bucket: the mask is packed into 32-bit words, capped
+per segment and compacted word by word (:mod:`jaxcomp.transforms.selection`);
+thresholds that must hit a target count are estimated from a small strided
+sample of each segment (one sort of all samples) and then adjusted by a few
+passes of counting.
 """
 
 from __future__ import annotations
@@ -21,45 +26,59 @@ from jax import lax
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
+from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args, selection
 from jaxcomp.transforms.sparse import scatter_mean
 
-MIN_SAMPLE = 128  # a leaf this small is its own sample: its threshold is exact
+MIN_SAMPLE = 128  # the smallest sample
+EXACT_MAX = 16384  # a leaf this small is its own sample: its threshold is exact, see sample_size
+BLOCK = 128  # segments start at multiples of it: packed mask words never straddle two leaves
 
 
 # ----------------------------------------------------------------------------
-# Fixed-capacity sparse payloads: (values, narrow indices, count)
+# Fixed-capacity sparse payloads: (values, narrow bucket positions, count)
 
 
-def compact(dest: jax.Array, capacity: int) -> jax.Array:
-  """Positions ``i`` with ``0 <= dest[i] < capacity`` placed at slot ``dest[i]`` (int32).
+def segment_caps(ratio: float, segs: Segments) -> np.ndarray:
+  """Slots per segment, ``max(1, ceil(ratio * n))`` (int64 (S,))."""
+  return np.asarray([_args.count(ratio, n) for n in segs.sizes], np.int64)
 
-  ``dest`` holds distinct slots for the selected entries and ``capacity`` (or
-  more) for the others; unfilled slots hold 0.
+
+def segment_ints(key: jax.Array, word: int, m) -> jax.Array:
+  """One int32 in ``[0, m_s)`` per segment, from one word of ``key`` (already a PRNG output).
+
+  The word is spread over the segments by a multiply and an integer mixer
+  (murmur3's finaliser) rather than another threefry call, whose compile
+  time dominates these small kernels. The modulo bias is below ``m / 2**32``.
   """
-  n = dest.shape[0]
-  return jnp.zeros((capacity,), jnp.int32).at[dest].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+  words = key if key.dtype == jnp.uint32 else jax.random.key_data(key)
+  m = np.asarray(m, np.int64).reshape(-1)
+  h = words.reshape(-1)[word] + jnp.uint32(0x9E3779B9) * jnp.arange(m.size, dtype=jnp.uint32)
+  h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+  h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+  h = h ^ (h >> 16)
+  return (h % jnp.asarray(m, jnp.uint32)).astype(jnp.int32)
 
 
-def exclusive_rank(mask: jax.Array):
-  """For a bool mask: the number of selected entries before each position, and the total."""
-  m = mask.astype(jnp.int32)
-  inclusive = jnp.cumsum(m)
-  return inclusive - m, inclusive[-1]
+def select(mask: jax.Array, segs: Segments, caps, key: jax.Array, word: int = 0):
+  """Compacts a bucket ``mask`` with at most ``caps[s]`` entries per segment.
 
-
-def select(mask: jax.Array, capacity: int, start: jax.Array):
-  """Compacts ``mask`` into at most ``capacity`` positions, in circular order from ``start``.
-
-  Returns ``(indices int32[capacity], count int32)``; unused slots hold 0.
-  When more than ``capacity`` entries are selected, the ones sent are the
-  first in circular order from the 32-entry word holding ``start`` (a random
-  offset each step), so no region of the vector is starved when the capacity
-  is too small. The mask is packed into bits and compacted word by word
-  (:func:`jaxcomp.transforms.selection.compact_from_word`): no scatter of
-  size n.
+  Returns ``(positions int32[sum(caps)], count int32)``, ascending bucket
+  positions (``segs.length`` in unused slots). When more than ``caps[s]``
+  entries of a segment are selected, the ones kept are the first in circular
+  order from a random 32-entry word of the segment (new each step), so no
+  region of a leaf is starved when its capacity is too small.
   """
-  return selection.compact_from_word(selection.pack_mask(mask), capacity, start // 32)
+  start = segment_ints(key, word, np.asarray(segs.padded_sizes, np.int64) // 32)
+  idx, count, _ = selection.compact_segments(selection.pack_mask(mask), segs, caps, start_words=start)
+  return idx, count
+
+
+def sparse_payload(x: jax.Array, idx: jax.Array, count: jax.Array, n: int):
+  """(values float32, positions in the narrowest dtype for n, count int32); unused slots hold 0."""
+  used = jnp.arange(idx.shape[0]) < count
+  idx = jnp.where(used, idx, 0)
+  return jnp.where(used, x[idx], 0.0), idx.astype(_args.index_dtype(n)), count.astype(jnp.int32)
 
 
 def valid_indices(idx: jax.Array, count: jax.Array, n: int) -> jax.Array:
@@ -84,21 +103,20 @@ def sparse_bytes(n: int, capacity: int) -> int:
 
 
 # ----------------------------------------------------------------------------
-# Thresholds for a target count: sampled, then adjusted
-
-
-def key_int(key: jax.Array, word: int, m) -> jax.Array:
-  """An int32 in ``[0, m)`` from one word of ``key``, which is already a PRNG output.
-
-  Keys reaching a codec come out of ``split`` / ``fold_in``, so their words
-  are uniform; reading one avoids another threefry call (whose compile time
-  dominates these small kernels). The modulo bias is below ``m / 2**32``.
-  """
-  words = key if key.dtype == jnp.uint32 else jax.random.key_data(key)
-  return (words.reshape(-1)[word] % jnp.uint32(m)).astype(jnp.int32)
+# Thresholds for a target count: sampled, then adjusted, every segment at once
 
 
 def sample_size(n: int, sample_ratio: float) -> int:
+  """``max(ceil(sample_ratio * n), 128)`` entries, or all ``n`` for a leaf of at most 16384.
+
+  Small leaves are their own sample: a bucket's thresholds are adjusted together, one counting
+  pass over the whole bucket per step until every leaf is within its band, and the few-entry
+  samples of small leaves (1% of 16384 is 164 entries, about 2 above the threshold at ratio 0.01)
+  miss the band most often. Their exact thresholds cost little (the samples are searched
+  together, not sorted) and need no adjustment.
+  """
+  if n <= EXACT_MAX:
+    return n
   return min(n, max(_args.count(sample_ratio, n), MIN_SAMPLE))
 
 
@@ -107,26 +125,58 @@ def target(ratio, m) -> jax.Array:
   return jnp.ceil(jnp.asarray(ratio, jnp.float32) * jnp.asarray(m, jnp.float32) - 1e-3)
 
 
-def sampled_threshold(a: jax.Array, offset: jax.Array, ratio, max_ratio: float, sample_ratio: float,
-                      among_nonzero: bool = False) -> jax.Array:
-  """Magnitude above which about ``ratio`` of ``a`` (>= 0) lies, from a strided sample.
+def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, max_ratio: float,
+                       sample_ratio: float, among_nonzero: bool = False) -> jax.Array:
+  """Per segment, the magnitude above which about ``ratio`` of ``a`` (>= 0) lies, from a sample.
 
-  The sample is ``s = max(ceil(sample_ratio * n), MIN_SAMPLE)`` entries (all
-  of ``a`` when n is smaller), one every ``n // s`` from ``offset % (n // s)``; the
-  threshold is its ``ceil(ratio * s)``-th largest entry (of its nonzero
-  entries with ``among_nonzero``). ``ratio`` may be traced, up to ``max_ratio``.
-  When the sample holds no nonzero entry, the threshold is ``max(a)``.
+  The sample of a segment of n entries is ``s = max(ceil(sample_ratio * n),
+  128)`` entries (all of it up to 16384 entries, see :func:`sample_size`),
+  one every ``n // s`` from ``offsets[s] % (n // s)``; the threshold is its ``ceil(ratio * s)``-th
+  largest entry (of its nonzero entries with ``among_nonzero``), at most the
+  ``ceil(max_ratio * s)``-th. ``ratio`` may be traced. When the sample holds
+  no nonzero entry, the threshold is the segment's ``max(a)``. The k-th
+  largest of every sample is found exactly and at once by a bisection on
+  the float bit pattern (31 counting passes over the samples, no sort).
+  Returns float32 (S,).
   """
-  n = a.shape[0]
-  s = sample_size(n, sample_ratio)
-  stride = n // s
-  sample = a[offset % stride + stride * jnp.arange(s, dtype=jnp.int32)]
-  ks_max = _args.count(max_ratio, s)
-  vals, _ = lax.top_k(sample, ks_max)
-  pool = jnp.sum(sample > 0) if among_nonzero else s
-  ks = jnp.clip(target(ratio, pool).astype(jnp.int32), 1, ks_max)
-  thr = vals[ks - 1]
-  return jnp.where(thr > 0, thr, jnp.max(a))
+  sizes = np.asarray(segs.sizes, np.int64)
+  s = np.asarray([sample_size(n, sample_ratio) for n in segs.sizes], np.int64)
+  stride = sizes // s
+  # Each sample padded to rows of 128 (padding reads -1: never counted), laid out by numpy
+  # (literals, nothing for XLA to fold); only the shift of each segment is traced.
+  rows = -(-s // MIN_SAMPLE)
+  seg_np = np.repeat(np.arange(segs.count, dtype=np.int32), rows * MIN_SAMPLE)
+  j = np.arange(seg_np.size) - np.repeat(np.cumsum(rows) - rows, rows * MIN_SAMPLE) * MIN_SAMPLE
+  used = j < s[seg_np]
+  base = (np.asarray(segs.offsets, np.int64)[seg_np] + stride[seg_np] * np.minimum(j, s[seg_np] - 1))
+  shift = offsets.astype(jnp.int32) % jnp.asarray(stride, jnp.int32)
+  pos = jnp.asarray(base.astype(np.int32)) + (shift[jnp.asarray(seg_np)] if segs.count > 1 else shift[0])
+  sample = jnp.where(jnp.asarray(used), a[pos], -1.0)
+  bits = lax.bitcast_convert_type(sample, jnp.int32).reshape(-1, MIN_SAMPLE)
+  row_seg = np.repeat(np.arange(segs.count, dtype=np.int32), rows)
+
+  def count(t):  # per segment, sample entries with bits >= t (t >= 0)
+    t_row = t[jnp.asarray(row_seg)] if segs.count > 1 else jnp.broadcast_to(t[0], row_seg.shape)
+    return selection.run_sums(jnp.sum(bits >= t_row[:, None], axis=1, dtype=jnp.int32), rows)
+
+  ks_max = np.asarray([_args.count(max_ratio, m) for m in s], np.int32)
+  pool = count(jnp.ones((segs.count,), jnp.int32)) if among_nonzero else jnp.asarray(s, jnp.int32)
+  ks = jnp.clip(target(ratio, pool).astype(jnp.int32), 1, jnp.asarray(ks_max))
+
+  def halve(_, lohi):
+    lo, hi = lohi
+    mid = lo + (hi - lo) // 2
+    enough = count(mid) >= ks
+    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+  # count(lo) >= ks > count(hi) throughout (a sample has at least ks entries >= 0, none above the
+  # segment's maximum): lo ends as the ks-th largest entry's bits. The bounds come from the data,
+  # so that the loop's carry is per worker (shard_map's varying type) from the start.
+  top = segs.max(a)
+  hi = lax.bitcast_convert_type(top, jnp.int32) + 1
+  lo, _ = lax.fori_loop(0, 31, halve, (hi * 0, hi))
+  thr = lax.bitcast_convert_type(lo, jnp.float32)
+  return jnp.where(thr > 0, thr, top)
 
 
 def passes(a: jax.Array, thr) -> jax.Array:
@@ -134,35 +184,49 @@ def passes(a: jax.Array, thr) -> jax.Array:
   return (a >= thr) & (a > 0)
 
 
-def refine_threshold(a: jax.Array, thr: jax.Array, k, low: float, high: float, up: float,
-                     down: float, iterations: int) -> jax.Array:
-  """Scales ``thr`` by ``up`` while more than ``high * k`` entries pass, by ``down`` while
-  fewer than ``low * k`` pass, at most ``iterations`` times (DGC: 0.7, 1.3, x1.3, x0.7, 10).
+def refine_thresholds(a: jax.Array, thr: jax.Array, k, segs: Segments, low: float, high: float,
+                      up: float, down: float, iterations: int) -> jax.Array:
+  """Per segment, scales ``thr`` by ``up`` while more than ``high * k`` entries pass, by ``down``
+  while fewer than ``low * k`` pass, at most ``iterations`` times (DGC: 0.7, 1.3, x1.3, x0.7, 10).
 
   The steps are coarse (``up * down`` close to 1 can cycle around the band),
-  so when the loop ends outside the band it returns the threshold tried whose
-  count was closest to k, not the last one.
+  so when the loop ends outside the band a segment gets the threshold tried
+  whose count was closest to k, not the last one. All segments iterate
+  together, one counting pass over the bucket per step; a segment inside its
+  band keeps its threshold, so each follows exactly the steps it would alone.
   """
-  k = jnp.asarray(k, jnp.float32)
+  k = jnp.broadcast_to(jnp.asarray(k, jnp.float32), (segs.count,))
 
   def count(t):
-    return jnp.sum(passes(a, t), dtype=jnp.int32).astype(jnp.float32)
+    return selection.segment_count(passes(a, segs.spread(t)), segs).astype(jnp.float32)
+
+  def outside(m):
+    return (m > high * k) | (m < low * k)
 
   def cond(c):
     i, _, m, _, _ = c
-    return (i < iterations) & ((m > high * k) | (m < low * k))
+    return (i < iterations) & jnp.any(outside(m))
 
   def body(c):
     i, t, m, best, gap = c
-    t = jnp.where(m > high * k, t * up, t * down)
+    moving = outside(m)
+    t = jnp.where(moving, jnp.where(m > high * k, t * up, t * down), t)
     m = count(t)
-    closer = jnp.abs(m - k) < gap
+    closer = moving & (jnp.abs(m - k) < gap)
     return i + 1, t, m, jnp.where(closer, t, best), jnp.where(closer, jnp.abs(m - k), gap)
 
   m0 = count(thr)
   c = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), thr, m0, thr, jnp.abs(m0 - k)))
   _, t, m, best, _ = c
-  return jnp.where((m > high * k) | (m < low * k), best, t)
+  return jnp.where(outside(m), best, t)
+
+
+def refine_threshold(a: jax.Array, thr: jax.Array, k, low: float, high: float, up: float,
+                     down: float, iterations: int) -> jax.Array:
+  """:func:`refine_thresholds` of one vector ``a`` (a scalar threshold)."""
+  n = a.shape[0]
+  segs = Segments((0,), (n,), ((n,),))
+  return refine_thresholds(a, jnp.reshape(thr, (1,)), k, segs, low, high, up, down, iterations)[0]
 
 
 def loop_mean(decode, gathered, n: int, num: int) -> jax.Array:
@@ -180,37 +244,42 @@ def loop_mean(decode, gathered, n: int, num: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class ThresholdCodec(Codec):
-  """Entries with ``|x| > v``: float32 values + narrow indices in ``capacity`` slots + a count."""
+  """Entries with ``|x| > v``: float32 values + narrow bucket positions in fixed slots + a count.
+
+  Each leaf (segment) of n entries has ``max(1, ceil(capacity * n))`` slots;
+  the bucket's payload holds the sum of them.
+  """
 
   v: float
   capacity: float
+  block = BLOCK
 
-  def encode(self, x, key):
-    n = x.shape[0]
-    cap = _args.count(self.capacity, n)
-    idx, count = select(jnp.abs(x) > self.v, cap, key_int(key, 0, n))
-    values = jnp.where(jnp.arange(cap) < count, x[idx], 0.0)
-    return values, idx.astype(_args.index_dtype(n)), count
+  def encode(self, x, key, segs):
+    idx, count = select(jnp.abs(x) > self.v, segs, segment_caps(self.capacity, segs), key)
+    return sparse_payload(x, idx, count, segs.length)
 
-  def decode(self, payload, key, n):
-    return sparse_decode(*payload, n)
+  def decode(self, payload, key, segs):
+    return sparse_decode(*payload, segs.length)
 
-  def aggregate(self, gathered, key, n, num):
-    return sparse_mean(*gathered, n, num)
+  def aggregate(self, gathered, key, segs, num):
+    return sparse_mean(*gathered, segs.length, num)
 
 
 def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None,
-              error_feedback: bool = True, seed: int = 0):
+              error_feedback: bool = True, seed: int = 0, bucket_bytes: int | None = None,
+              min_size: int | None = None, dense=None):
   """Threshold sparsification: send the entries with ``|x| > v`` (a variable count).
 
   The count varies from step to step but a payload's shape cannot, so each
-  leaf of n entries sends a buffer of ``cap = max(1, ceil(capacity * n))``
-  float32 values and indices (uint8 for n <= 256, uint16 for n <= 65536, else
-  int32) plus an int32 count. When more than ``cap`` entries pass, the ones
-  sent are the first ``cap`` in circular order from a random offset (new each
-  step, so no region starves) and the others stay in the residual: nothing is
-  lost with error feedback (on by default). Payloads are all-gathered and
-  every worker scatter-adds all of them into one dense mean.
+  leaf of n entries has ``cap = max(1, ceil(capacity * n))`` slots, and the
+  payload of a bucket of leaves is the sum of their slots of float32 values
+  and bucket positions (uint8 for a bucket of at most 256 entries, uint16 up
+  to 65536, else int32) plus one int32 count. When more than ``cap`` entries
+  of a leaf pass, the ones sent are the first ``cap`` in circular order from
+  a random offset in the leaf (new each step, so no region starves) and the
+  others stay in the residual: nothing is lost with error feedback (on by
+  default). Payloads are all-gathered and every worker scatter-adds all of
+  them into one dense mean.
 
   Sizing the capacity: the wire carries ``cap`` slots whether they are full
   or not (``capacity * (32 + index bits)`` bits per entry), so set it a little
@@ -226,6 +295,9 @@ def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None
     axis_name: the data-parallel axis, or None for a local round trip.
     error_feedback: keep what was not sent in a residual (default True).
     seed: seeds the state's key (the random start offset).
+    bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
+    min_size: the bucket policy, see :func:`jaxcomp.build`.
+    dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Strom, *Scalable Distributed DNN Training Using Commodity GPU Cloud
@@ -236,7 +308,8 @@ def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None
   cap = _args.ratio("capacity", capacity)
   ef = _args.flag("error_feedback", error_feedback)
   codec = ThresholdCodec(v, cap)
-  return build(Method("threshold", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed)
+  return build(Method("threshold", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
 
 
 # ----------------------------------------------------------------------------
@@ -248,92 +321,121 @@ _ADAQ_REFINE = {"low": 0.8, "high": 1.25, "up": 1.25, "down": 0.9, "iterations":
 
 @dataclasses.dataclass(frozen=True)
 class AdaQCodec(Codec):
-  """Top ``ratio`` of the positives and of the negatives, each sent as positions and one mean.
+  """Top ``ratio`` of the positives and of the negatives of each leaf, sent as positions and two means.
 
-  Positions travel either as one fixed-capacity index buffer (positives
-  first, then negatives) with two counts, or as a 2-bit code per entry
-  (0 none, 1 positive, 2 negative), whichever is smaller for n.
+  Per bucket: the two means of every segment (float32 (S, 2)) and the
+  positions, either as one fixed-capacity buffer of bucket positions (the
+  kept positives of all segments first, then the negatives) with two counts,
+  or as a 2-bit code per bucket entry (0 none, 1 positive, 2 negative),
+  whichever is smaller for the bucket.
   """
 
   ratio: float
   sample_ratio: float
   capacity: float
   encoding: str
+  block = BLOCK
 
-  def uses_map(self, n: int) -> bool:
+  def uses_map(self, segs) -> bool:
+    """Whether the 2-bit map is the encoding for ``segs`` (or for one leaf of ``segs`` entries)."""
     if self.encoding != "auto":
       return self.encoding == "map"
+    if isinstance(segs, Segments):
+      n, slots = segs.length, int(segment_caps(self.capacity, segs).sum())
+    else:
+      n, slots = int(segs), _args.count(self.capacity, int(segs))
     index_bits = 8 * np.dtype(_args.index_dtype(n)).itemsize
-    return 8 * packing.packed_size(n, 2) <= _args.count(self.capacity, n) * index_bits + 32
+    return 8 * packing.packed_size(n, 2) <= slots * index_bits + 32
 
-  def _thresholds(self, x, key):
-    n = x.shape[0]
+  def _masks(self, x, key, segs):
     out = []
     for word, a in enumerate((jnp.where(x > 0, x, 0.0), jnp.where(x < 0, -x, 0.0))):
-      thr = sampled_threshold(a, key_int(key, word, n), self.ratio, self.ratio, self.sample_ratio, among_nonzero=True)
-      thr = refine_threshold(a, thr, target(self.ratio, jnp.sum(a > 0)), **_ADAQ_REFINE)
-      out.append(passes(a, thr))
+      offsets = segment_ints(key, word, segs.sizes)
+      thr = sampled_thresholds(a, segs, offsets, self.ratio, self.ratio, self.sample_ratio,
+                               among_nonzero=True)
+      k = target(self.ratio, selection.segment_count(a > 0, segs))
+      thr = refine_thresholds(a, thr, k, segs, **_ADAQ_REFINE)
+      out.append(passes(a, segs.spread(thr)))
     return out
 
-  def encode(self, x, key):
-    n = x.shape[0]
-    plus, minus = self._thresholds(x, key)
-    if not self.uses_map(n):
-      cap = _args.count(self.capacity, n)
-      rank_p, total_p = exclusive_rank(plus)
-      rank_m, total_m = exclusive_rank(minus)
-      rank_m = rank_m + total_p
-      plus, minus = plus & (rank_p < cap), minus & (rank_m < cap)
-      idx = compact(jnp.where(plus, rank_p, jnp.where(minus, rank_m, cap)), cap)
-      counts = jnp.stack([jnp.minimum(total_p, cap), jnp.minimum(total_p + total_m, cap)])
-    means = jnp.stack([
-        jnp.sum(jnp.where(plus, x, 0.0)) / jnp.maximum(jnp.sum(plus), 1),
-        jnp.sum(jnp.where(minus, x, 0.0)) / jnp.maximum(jnp.sum(minus), 1)])
-    if self.uses_map(n):
+  def encode(self, x, key, segs):
+    plus, minus = self._masks(x, key, segs)
+    if self.uses_map(segs):
+      means = jnp.stack([
+          segs.sum(jnp.where(plus, x, 0.0)) / jnp.maximum(selection.segment_count(plus, segs), 1),
+          segs.sum(jnp.where(minus, x, 0.0)) / jnp.maximum(selection.segment_count(minus, segs), 1)], axis=1)
       code = plus.astype(jnp.uint8) + 2 * minus.astype(jnp.uint8)
       return means, packing.pack(code, 2)
-    return means, idx.astype(_args.index_dtype(n)), counts
+    # Each leaf's slots go to its positives first, then to its negatives.
+    n = segs.length
+    caps = segment_caps(self.capacity, segs)
+    cap = int(caps.sum())
+    p_idx, p, kept = selection.compact_segments(selection.pack_mask(plus), segs, caps)
+    m_idx, m, _ = selection.compact_segments(selection.pack_mask(minus), segs,
+                                             jnp.asarray(caps, jnp.int32) - kept, cap)
+    slot = jnp.arange(cap, dtype=jnp.int32)
+    idx = jnp.where(slot < p, p_idx, m_idx[jnp.clip(slot - p, 0, cap - 1)])
+    used = slot < p + m
+    idx = jnp.where(used, idx, 0)
+    seg = selection.segment_of(idx, segs)
+    vals = jnp.where(used, x[idx], 0.0)
+    is_plus = slot < p
 
-  def _sparse(self, payload, n):
+    def mean(side):
+      total = jax.ops.segment_sum(jnp.where(side, vals, 0.0), seg, segs.count)
+      num = jax.ops.segment_sum(side.astype(jnp.int32), seg, segs.count)
+      return total / jnp.maximum(num, 1)
+
+    means = jnp.stack([mean(is_plus & used), mean(~is_plus & used)], axis=1)
+    return means, idx.astype(_args.index_dtype(n)), jnp.stack([p, p + m]).astype(jnp.int32)
+
+  def _sparse(self, payload, segs):
     means, idx, counts = payload
     slot = jnp.arange(idx.shape[-1], dtype=jnp.int32)
-    values = jnp.where(slot < counts[0], means[0], means[1])
+    side = means[selection.segment_of(idx, segs)]
+    values = jnp.where(slot < counts[0], side[:, 0], side[:, 1])
     return values, idx, counts[1]
 
-  def decode(self, payload, key, n):
-    if self.uses_map(n):
+  def decode(self, payload, key, segs):
+    n = segs.length
+    if self.uses_map(segs):
       means, words = payload
       code = packing.unpack(words, 2, n)
-      return jnp.where(code == 1, means[0], jnp.where(code == 2, means[1], 0.0))
-    return sparse_decode(*self._sparse(payload, n), n)
+      plus, minus = segs.spread(means[:, 0]), segs.spread(means[:, 1])
+      return jnp.where(code == 1, plus, jnp.where(code == 2, minus, 0.0))
+    return sparse_decode(*self._sparse(payload, segs), n)
 
-  def aggregate(self, gathered, key, n, num):
-    if self.uses_map(n):
-      return loop_mean(lambda p: self.decode(p, key, n), gathered, n, num)
-    return sparse_mean(*jax.vmap(lambda p: self._sparse(p, n))(gathered), n, num)
+  def aggregate(self, gathered, key, segs, num):
+    if self.uses_map(segs):
+      return loop_mean(lambda p: self.decode(p, key, segs), gathered, segs.length, num)
+    return sparse_mean(*jax.vmap(lambda p: self._sparse(p, segs))(gathered), segs.length, num)
 
 
 def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0.01,
          capacity: float | None = None, encoding: str = "auto", error_feedback: bool = True,
-         seed: int = 0):
+         seed: int = 0, bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
   """Adaptive quantization: the top ``ratio`` of the positives and of the negatives, two means.
 
   Each leaf's positive entries and (separately) its negative entries are
   thresholded so that about ``ratio`` of each side is kept: the threshold is
   the ``ceil(ratio * s+)``-th largest of the positives in a strided sample of
-  ``max(ceil(sample_ratio * n), 128)`` entries, then scaled by x1.25 / x0.9 up
+  ``max(ceil(sample_ratio * n), 128)`` entries (all of a leaf of at most
+  16384 entries, see :func:`sample_size`), then scaled by x1.25 / x0.9 up
   to 20 times until the count is within 0.8-1.25 of ``ceil(ratio * n+)``
-  (GRACE's constants). Each kept positive is sent as the mean of the kept
-  positives, each kept negative as the mean of the kept negatives: the payload
-  is two float32 means plus the positions. Positions travel as whichever is
-  smaller for n (``encoding="auto"``):
+  (GRACE's constants). Each kept positive is sent as the mean of the leaf's
+  kept positives, each kept negative as the mean of its kept negatives: the
+  payload of a bucket is two float32 means per leaf plus the positions.
+  Positions travel as whichever is smaller for the bucket (``encoding="auto"``):
 
-  - ``"indices"``: one buffer of ``cap = ceil(capacity * n)`` narrow indices
-    (positives then negatives) and two int32 counts; what does not fit stays
-    in the residual. ``capacity`` defaults to ``min(1, 1.3 * ratio)``.
-  - ``"map"``: a 2-bit code per entry (none / positive / negative), packed 4
-    per byte, with no capacity limit: 2 bits per entry, which at GRACE's
-    ratio 0.3 is smaller than any index list (GRACE sends int32 indices).
+  - ``"indices"``: one buffer of ``cap = ceil(capacity * n)`` slots per leaf
+    of n entries (its positives first, then its negatives), summed over the
+    bucket, of bucket positions in the narrowest integer dtype, and two int32
+    counts; what does not fit stays in the residual. ``capacity`` defaults to
+    ``min(1, 1.3 * ratio)``.
+  - ``"map"``: a 2-bit code per bucket entry (none / positive / negative),
+    packed 4 per byte, with no capacity limit: 2 bits per entry (padding
+    between leaves included), which at GRACE's ratio 0.3 is smaller than any
+    index list (GRACE sends int32 indices).
 
   Payloads are all-gathered, decoded and averaged; the quantization and
   selection error stays in the residual (error feedback on by default).
@@ -347,6 +449,9 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
     encoding: "auto" (default), "indices" or "map".
     error_feedback: keep the error in a residual (default True).
     seed: seeds the key (sample offsets).
+    bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
+    min_size: the bucket policy, see :func:`jaxcomp.build`.
+    dense: the bucket policy, see :func:`jaxcomp.build`.
 
   References:
     Dryden, Moon, Jacobs & Van Essen, *Communication Quantization for
@@ -358,4 +463,5 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
   enc = _args.choice("encoding", encoding, ("auto", "indices", "map"))
   ef = _args.flag("error_feedback", error_feedback)
   codec = AdaQCodec(r, sr, cap, enc)
-  return build(Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed)
+  return build(Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
