@@ -99,15 +99,7 @@ def _thresholds(bits: jax.Array, segs: layout.Segments, k: jax.Array):
 
 def _keep_first_ties(ties: jax.Array, need: jax.Array, segs: layout.Segments) -> jax.Array:
   """Keeps the first ``need[s]`` set bits (in index order) of each segment's mask words."""
-  per = segs.block // _WORD
-  word_segment = np.repeat(segs.row_segment, per)
-  pc = lax.population_count(ties).astype(jnp.int32)
-  excl = jnp.cumsum(pc) - pc
-  base = excl[np.asarray(segs.offsets, np.int64) // _WORD]
-  q = jnp.clip(need[word_segment] - (excl - base[word_segment]), 0, _WORD)
-  top = selection._select_bit(ties, jnp.minimum(q, pc) - 1)  # the last kept bit, when 0 < q < pc
-  partial = ties & ((jnp.uint32(2) << top.astype(jnp.uint32)) - 1)
-  return jnp.where(q >= pc, ties, jnp.where(q <= 0, jnp.uint32(0), partial))
+  return selection.cap_segments(ties, segs, need)[0]
 
 
 def _segment_of(positions: jax.Array, segs: layout.Segments) -> jax.Array:

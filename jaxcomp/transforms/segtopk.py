@@ -75,27 +75,9 @@ def segmented_topk(x: jax.Array, segs: Segments, k: np.ndarray) -> jax.Array:
   t_entry = segs.spread(t)
   strict = selection.pack_mask(bits > t_entry)
   ties = selection.pack_mask(bits == t_entry) & ~strict
-  word_segment = np.repeat(np.arange(segs.count, dtype=np.int32),
-                           [p // 32 for p in segs.padded_sizes])
-  pc_strict = lax.population_count(strict).astype(jnp.int32)
-  above = jax.ops.segment_sum(pc_strict, word_segment, segs.count, indices_are_sorted=True)
-  need = jnp.asarray(k, jnp.int32) - above  # tied entries to keep, per segment
-  # Keep the first ``need`` tied bits of each segment: a per-word count of the
-  # segment's tied bits before it, from one prefix sum over words.
-  pc = lax.population_count(ties).astype(jnp.int32)
-  incl = jnp.cumsum(pc)
-  starts = np.asarray([o // 32 for o in segs.offsets], np.int64)
-  seg_base = (incl - pc)[starts]  # tied bits before each segment
-  before = incl - pc - seg_base[word_segment]
-  q = jnp.clip(need[word_segment] - before, 0, 32)
-  kept = _keep_first_bits(ties, pc, q)
+  above = segs.sum((bits > t_entry).astype(jnp.int32))
+  # Of the entries tied at the threshold, the first ``k - above`` of each segment (ties to lower indices).
+  kept, _ = selection.cap_segments(ties, segs, jnp.asarray(k, jnp.int32) - above)
   words = strict | kept
   idx, _ = selection.compact(words, segs.length, int(k.sum()))
   return idx
-
-
-def _keep_first_bits(words, pc, q):
-  """Keeps the first ``q`` set bits (in index order) of each word."""
-  top = selection._select_bit(words, jnp.minimum(q, pc) - 1)
-  partial = words & ((jnp.uint32(2) << top.astype(jnp.uint32)) - 1)
-  return jnp.where(q >= pc, words, jnp.where(q <= 0, jnp.uint32(0), partial))
