@@ -289,6 +289,22 @@ def keep_first_bits(words: jax.Array, q: jax.Array) -> jax.Array:
   return jnp.where(q >= pc, words, jnp.where(q <= 0, jnp.uint32(0), partial))
 
 
+def _word_counts(words: jax.Array, segs: Segments):
+  """One prefix sum over a bucket's mask words, read per segment.
+
+  Returns ``(excl, first, nw, base, total)``: set bits before each word, each
+  segment's first word and word count (numpy), the set bits before each
+  segment and the set bits in it (int32 (S,)).
+  """
+  pc = _popcount(words)
+  incl = prefix_sum(pc)
+  excl = incl - pc
+  first = np.asarray(segs.offsets, np.int64) // _WORD
+  nw = np.asarray(segs.padded_sizes, np.int64) // _WORD
+  base = excl[first]
+  return excl, first, nw, base, incl[first + nw - 1] - base
+
+
 def cap_segments(words: jax.Array, segs: Segments, caps, start_words: jax.Array | None = None):
   """Keeps at most ``caps[s]`` set bits of each segment ``s`` of a bucket's mask words.
 
@@ -300,13 +316,7 @@ def cap_segments(words: jax.Array, segs: Segments, caps, start_words: jax.Array 
   """
   _per_word(segs)
   caps = jnp.asarray(caps, jnp.int32)
-  pc = _popcount(words)
-  incl = prefix_sum(pc)
-  excl = incl - pc
-  first = np.asarray(segs.offsets, np.int64) // _WORD
-  nw = np.asarray(segs.padded_sizes, np.int64) // _WORD
-  base = excl[first]
-  total = incl[first + nw - 1] - base
+  excl, first, nw, base, total = _word_counts(words, segs)
   rank = excl - segment_words(base, segs)
   if start_words is not None:
     start = jnp.asarray(first, jnp.int32) + start_words.astype(jnp.int32) % jnp.asarray(nw, jnp.int32)
@@ -332,13 +342,7 @@ def compact_segments(words: jax.Array, segs: Segments, caps, capacity: int | Non
   if capacity is None:
     capacity = int(np.sum(np.asarray(caps)))
   caps = jnp.asarray(caps, jnp.int32)
-  pc = _popcount(words)
-  incl = prefix_sum(pc)
-  excl = incl - pc
-  first = np.asarray(segs.offsets, np.int64) // _WORD
-  nw = np.asarray(segs.padded_sizes, np.int64) // _WORD
-  base = excl[first]
-  total = incl[first + nw - 1] - base
+  excl, first, nw, base, total = _word_counts(words, segs)
   kept = jnp.minimum(total, caps)
   seg_out = exclusive_prefix(kept)  # the segment's first slot
   if start_words is None:
@@ -358,7 +362,7 @@ def compact_segments(words: jax.Array, segs: Segments, caps, capacity: int | Non
     rank = jnp.where(wrapped, local + after_w, local - before_w)
     out = out_w + jnp.where(wrapped, jnp.minimum(local, room_w),
                             early_w + jnp.minimum(local - before_w, cap_w))
-  keep = jnp.minimum(jnp.clip(cap_w - rank, 0, _WORD), pc)
+  keep = jnp.minimum(jnp.clip(cap_w - rank, 0, _WORD), _popcount(words))
   idx = _bit_slots(words, out, keep, capacity)
   slot = jnp.arange(capacity, dtype=jnp.int32)
   count = jnp.sum(kept)
