@@ -188,12 +188,12 @@ class Exchange:
 
 
 def _join(parts, segs: layout.Segments) -> jax.Array:
-  """Per-segment vectors -> one bucket vector with zero padding."""
+  """Per-segment vectors -> one bucket vector with zero padding (rows, as :func:`jaxcomp.layout.pack`)."""
   out = []
   for part, n, p in zip(parts, segs.sizes, segs.padded_sizes):
     part = part.astype(jnp.float32)
-    out.append(jnp.pad(part, (0, p - n)) if p > n else part)
-  return out[0] if len(out) == 1 else jnp.concatenate(out)
+    out.append((jnp.pad(part, (0, p - n)) if p > n else part).reshape(-1, layout.ROW))
+  return out[0].reshape(-1) if len(out) == 1 else jnp.concatenate(out).reshape(-1)
 
 
 class Codec:
@@ -404,12 +404,17 @@ NONFINITE_FLAG_BYTES = 4  # one float32 all-reduced per step, see build()
 
 
 def _nan_if_nonfinite(vectors) -> jax.Array:
-  """0.0 if every entry of ``vectors`` is finite, else NaN: a sum of ``x * 0``, which cannot overflow."""
-  total = jnp.zeros((), jnp.float32)
+  """0.0 if every entry of ``vectors`` is finite, else NaN.
+
+  From the largest magnitude (a max propagates NaN and Inf, cannot overflow,
+  and fuses into the kernel that produces ``vectors``; a ``sum(x * 0)`` made
+  XLA:CPU materialise a bucket of zeros for its reduction library).
+  """
+  largest = jnp.zeros((), jnp.float32)
   for v in vectors:
     if v.size:
-      total = total + jnp.sum(v.astype(jnp.float32) * 0.0)
-  return total
+      largest = jnp.maximum(largest, jnp.max(jnp.abs(v.astype(jnp.float32))))
+  return jnp.where(jnp.isfinite(largest), 0.0, jnp.nan).astype(jnp.float32)
 
 
 def _exchange_all(method: Method, buckets, x, extras, ctx: Ctx, params):

@@ -9,6 +9,13 @@ trace time, so a layer-wise codec (a top-k per leaf, a norm per leaf) keeps
 its per-leaf meaning in one fused kernel, through segment reductions over
 rows of ``block`` entries.
 
+Every segment starts at a multiple of :data:`ROW` (128) entries and is
+zero-padded to one, for every exchange: a bucket is built as a
+concatenation of whole rows, several times faster on XLA:CPU than a flat
+concatenation. Padding is at most 127 entries per leaf (ResNet-50: 984 of
+25.6M entries; BERT-base: none), and codecs that send every entry (the
+16-bit casts, the dense mean) send it too, counted in the wire bytes.
+
 The error-feedback residual and every per-entry memory live in the same
 layout (one float32 vector per bucket), whatever the parameters' dtype.
 
@@ -29,6 +36,7 @@ import numpy as np
 
 BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default bucket (25 MiB)
 MIN_SIZE = 1024  # entries; smaller leaves travel dense (the default; see README "Buckets")
+ROW = 128  # every segment starts at a multiple of ROW entries and is zero-padded to one
 
 
 def _prod(shape) -> int:
@@ -144,7 +152,9 @@ class Bucket:
 
 
 def _block(exchange) -> int:
-  return int(getattr(exchange, "block", 1))
+  """The exchange's segment alignment: a multiple of :data:`ROW` (the bucket's row width)."""
+  block = int(getattr(exchange, "block", 1))
+  return block if block % ROW == 0 else block * ROW // np.gcd(block, ROW)
 
 
 def plan(shapes: Sequence[Tuple[int, ...]], route: Callable, dense_exchange: Any,
@@ -193,7 +203,14 @@ def _bucket(exchange, items, block) -> Bucket:
 
 
 def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array]) -> list:
-  """The leaves in their buckets: one float32 vector per bucket, padding zero."""
+  """The leaves in their buckets: one float32 vector per bucket, padding zero.
+
+  Built as a concatenation of rows of :data:`ROW` entries (each leaf padded
+  to whole rows), which XLA:CPU copies row by row; a one-dimensional
+  concatenation picks the operand of every entry on its own, several times
+  slower (measured: 5.5M entries of 8 ResNet-50 leaves, 1.8 ms rows against
+  9.8 ms flat, a copy 2.3 ms).
+  """
   out = []
   for b in buckets:
     segs = b.segments
@@ -204,8 +221,8 @@ def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array]) -> list:
     for s, i in enumerate(b.leaves):
       flat = jnp.ravel(leaves[i]).astype(jnp.float32)
       pad = segs.padded_sizes[s] - segs.sizes[s]
-      parts.append(jnp.pad(flat, (0, pad)) if pad else flat)
-    out.append(jnp.concatenate(parts))
+      parts.append((jnp.pad(flat, (0, pad)) if pad else flat).reshape(-1, ROW))
+    out.append(jnp.concatenate(parts).reshape(-1))
   return out
 
 

@@ -170,7 +170,7 @@ def test_powersgd_batches_views_per_bucket_in_two_all_reduces_each():
   """PowerSGD in buckets: views batched, the P factors of a bucket in one all-reduce, its Qs in another."""
   shapes = {"a": (20, 12), "b": (12, 20), "bias": (12,), "c": (20, 12), "d": (20, 12), "k": (3, 3, 4, 8)}
   params = {name: jnp.zeros(shape, jnp.float32) for name, shape in shapes.items()}
-  tx = jaxcomp.powersgd(rank=RANK, axis_name=AXIS, bucket_bytes=3000)
+  tx = jaxcomp.powersgd(rank=RANK, axis_name=AXIS, bucket_bytes=3072)
   buckets = [b for b in tx.method.buckets(params) if isinstance(b.exchange, PowerSGDExchange)]
   assert [b.segments.views for b in buckets] == [((36, 8), (20, 12)), ((20, 12), (12, 20), (20, 12))]
   state = init_stacked(tx, params)

@@ -475,7 +475,7 @@ def test_nominal_bytes_per_method():
       "threshold": 100 * (4 + 2) + 4,
       "dgc": dgc_mod.capacity(n, 0.25) * 6 + 4,  # the default warm-up's densest stage sizes the payload
       "adaq": 8 + 256,  # two means + 2 bits per entry, the leaf padded to 1024 entries (rows of 128)
-      "signum": 125,
+      "signum": 128,  # 1 bit per entry, the leaf padded to 1024 entries (rows of 128)
       "onebit": 8 + 128,  # the 1000 entries padded to 1024 (segments of 128-entry rows)
   }
   for name, nbytes in want.items():

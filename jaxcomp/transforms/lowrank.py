@@ -89,9 +89,11 @@ def _unstack(groups, stacked, segs: layout.Segments) -> jax.Array:
            and segs.offsets[s + m] == segs.offsets[s + m - 1] + segs.sizes[s + m - 1]):
       m += 1
     whole = j == 0 and m == stacked[g].shape[0]
-    parts.append((stacked[g] if whole else stacked[g][j:j + m]).reshape(-1))
+    run = (stacked[g] if whole else stacked[g][j:j + m]).reshape(-1)
+    pad = segs.padded_sizes[s + m - 1] - segs.sizes[s + m - 1]
+    parts.append((jnp.pad(run, (0, pad)) if pad else run).reshape(-1, layout.ROW))
     s += m
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+  return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(-1)
 
 
 _PAD_FLOATS = 1 << 20  # padding allowed to batch small P factors (beyond the factors' own size)
