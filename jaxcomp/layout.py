@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default bucket (25 MiB)
 MIN_SIZE = 1024  # entries; smaller leaves travel dense (the default; see README "Buckets")
@@ -236,8 +237,15 @@ def unpack(buckets: Sequence[Bucket], vectors: Sequence[jax.Array], like: Sequen
   lead = tuple(np.shape(vectors[0])[:-1]) if len(vectors) else ()
   out: list = [jnp.zeros(lead + shape, dtype) for shape, dtype in zip(shapes, dtypes)]
   for b, v in zip(buckets, vectors):
+    segs = b.segments
+    rows = v.reshape(lead + (-1, ROW))  # slices of whole rows: XLA folds them into pack's rows
     for s, i in enumerate(b.leaves):
-      out[i] = b.segments.segment(v, s).reshape(lead + shapes[i]).astype(dtypes[i])
+      start = segs.offsets[s] // ROW
+      leaf = lax.slice_in_dim(rows, start, start + segs.padded_sizes[s] // ROW, axis=-2)
+      leaf = leaf.reshape(lead + (-1,))
+      if segs.padded_sizes[s] != segs.sizes[s]:
+        leaf = lax.slice_in_dim(leaf, 0, segs.sizes[s], axis=-1)
+      out[i] = leaf.reshape(lead + shapes[i]).astype(dtypes[i])
   return out
 
 
