@@ -6,8 +6,12 @@ sent compressed, with error feedback in an explicit state.
 """
 
 from jaxcomp.collectives.wire import collective_bytes, measure_wire_bytes
-from jaxcomp.core import CompressState, CompressionTransformation, Method, build, memory_tree, wire_bytes
+from jaxcomp.core import (CompressState, CompressionTransformation, Method, build, configure, memory_tree,
+                          wire_bytes)
 from jaxcomp.devices import cpu_devices
+from jaxcomp.memories import ef21, momentum_correction
+from jaxcomp import recipes
+from jaxcomp.recipes import recipe, recipe_method
 from jaxcomp.sharding import local, per_worker, stacked
 from jaxcomp.transforms.acpsgd import acpsgd
 from jaxcomp.transforms.codes import inceptionn, sketchml
@@ -42,6 +46,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompressState", "CompressionTransformation", "Method", "METHODS", "build",
-    "collective_bytes", "cpu_devices", "dgc_warmup_schedule", "local", "measure_wire_bytes", "memory_tree",
+    "collective_bytes", "configure", "cpu_devices", "ef21", "momentum_correction", "recipe", "recipe_method", "dgc_warmup_schedule", "local", "measure_wire_bytes", "memory_tree",
     "per_worker", "stacked", "wire_bytes",
 ] + sorted(METHODS)

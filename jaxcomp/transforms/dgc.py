@@ -117,18 +117,30 @@ class DGCMemory(Memory):
     u = jax.tree.map(lambda u, g: self.momentum * u.astype(jnp.float32) + g, state.momentum, g)
     return jax.tree.map(lambda v, u: v.astype(jnp.float32) + u, state.accumulation, u)
 
-  def update(self, x, sent, state, buckets=None):
+  masks = True  # update() takes ``dense_step``: a traced bool, True on a dense (warm-up) step
+
+  def update(self, x, sent, state, buckets=None, dense_step=None):
     us, vs = [], []
     for xb, sb, vb, ub, dense in zip(x, sent, state.accumulation, state.momentum,
-                                     dense_buckets(buckets, len(x))):
+                                     self.unmasked(buckets, len(x))):
+      u_dense = jnp.where(jnp.isfinite(xb), xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype)
+      v_dense = Memory.update(self, (xb,), (sb,), (vb,))[0]
       if dense:
-        us.append(jnp.where(jnp.isfinite(xb), xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype))
-        vs.append(Memory.update(self, (xb,), (sb,), (vb,))[0])
-      else:
-        keep = (sb == 0) & jnp.isfinite(xb)
-        us.append(jnp.where(keep, xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype))
-        vs.append(jnp.where(keep, xb, 0.0).astype(vb.dtype))
+        us.append(u_dense)
+        vs.append(v_dense)
+        continue
+      keep = (sb == 0) & jnp.isfinite(xb)
+      u = jnp.where(keep, xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype)
+      v = jnp.where(keep, xb, 0.0).astype(vb.dtype)
+      if dense_step is not None:  # a warm-up step sends every entry: no masking, as a dense bucket
+        u, v = jnp.where(dense_step, u_dense, u), jnp.where(dense_step, v_dense, v)
+      us.append(u)
+      vs.append(v)
     return DGCState(momentum=tuple(us), accumulation=tuple(vs))
+
+  def unmasked(self, buckets, count: int) -> list:
+    """One bool per bucket: True where u is not masked (the dense buckets)."""
+    return dense_buckets(buckets, count)
 
   def like_params(self, state):
     return state.momentum

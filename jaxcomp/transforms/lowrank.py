@@ -169,7 +169,6 @@ class PowerSGDExchange(Exchange):
   """
 
   rank: int
-  start_step: int = 0
   eps: float = 1e-8
   # A NaN/Inf in a matrix reaches its P row, the orthogonalized P and every
   # entry of P Q^T; a worker's reaches everyone's through the all-reduce.
@@ -217,14 +216,8 @@ class PowerSGDExchange(Exchange):
     M = _unstack(groups, Ms, segs)
     return M, M, jnp.where(jnp.all(jnp.isfinite(Qn)), Qn, Q)  # a NaN step must not poison the warm start
 
-  def _dense(self, x, Q, ctx: Ctx):
-    return ops.allreduce_sum(x, ctx.axis) / ctx.axis.size, x, Q
-
   def exchange(self, x, segs, extra, ctx: Ctx):
-    if self.start_step <= 0:
-      return self._compressed(x, segs, extra, ctx)
-    return lax.cond(ctx.count < self.start_step, lambda x, Q: self._dense(x, Q, ctx),
-                    lambda x, Q: self._compressed(x, segs, Q, ctx), x, extra)
+    return self._compressed(x, segs, extra, ctx)
 
 
 def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: float = 2.0,
@@ -268,7 +261,7 @@ def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: fl
     raise ValueError(f"min_compression_rate must be >= 1, got min_compression_rate={min_compression_rate!r}")
   start = _args.integer("start_step", start_step, 0, 2 ** 31 - 1)  # the step count is int32
   ef = _args.flag("error_feedback", error_feedback)
-  lowrank = PowerSGDExchange(r, start)
+  lowrank = PowerSGDExchange(r)
 
   def route(shape):
     n = 1
@@ -280,4 +273,5 @@ def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: fl
         return lowrank, (a, b)
     return DENSE, (n,)
 
-  return build(Method("powersgd", route, Memory(enabled=ef)), axis_name, seed, bucket_bytes, min_size, dense)
+  return build(Method("powersgd", route, Memory(enabled=ef), start_step=start), axis_name, seed, bucket_bytes,
+               min_size, dense)

@@ -13,27 +13,12 @@ from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Ctx, Exchange, Memory, Method, build, flat_route
 from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args, selection
-from jaxcomp.transforms.dgc import DGCMemory, DGCState
+from jaxcomp.memories import MomentumCorrection
 from jaxcomp.transforms.sparse import scatter_mean
 from jaxcomp.transforms.threshold import BLOCK
 
 SELECTIONS = ("binary_search", "trimmed")
 MIN_SIZE = 256  # RedSync's default: smaller leaves travel dense
-
-
-class MomentumCorrection(DGCMemory):
-  """DGC's momentum correction and factor masking, keeping what quantization lost.
-
-  As :class:`jaxcomp.transforms.dgc.DGCMemory` (``u <- m u + g``,
-  ``v <- v + u``, u zeroed where something was sent, except in dense
-  buckets), except that the accumulation keeps ``v - sent`` rather than 0 at
-  sent entries: with quantized values the difference to the sign's mean is
-  not lost. Without quantization the two are the same (``v - v = 0``).
-  """
-
-  def update(self, x, sent, state, buckets=None):
-    masked = super().update(x, sent, state, buckets)
-    return DGCState(masked.momentum, Memory.update(self, x, sent, state.accumulation))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +172,6 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
   if momentum is None:
     memory = Memory()
   else:
-    memory = MomentumCorrection(_args.unit_interval("momentum", momentum), None, axis_name)
+    memory = MomentumCorrection(_args.unit_interval("momentum", momentum), masking=True)
   method = Method("redsync", flat_route(RedSyncExchange(r, sel, q)), memory)
   return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=size, dense=dense)

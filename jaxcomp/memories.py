@@ -1,0 +1,156 @@
+"""Momentum-aware error feedback for every codec: momentum correction, EF21 and EF21-SGDM.
+
+Plain error feedback (:class:`jaxcomp.core.Memory`) followed by
+``optax.sgd(lr, momentum=0.9)`` replays stale residuals through the outer
+momentum. The memories here move the momentum before the compressor, so the
+outer optimizer runs without one (``optax.sgd(lr)``). Pick one with
+:func:`jaxcomp.configure` (``memory=``) or through :func:`jaxcomp.recipe`.
+
+- :func:`momentum_correction`: each worker keeps ``u <- m u + g`` and error
+  feedback acts on it (``v <- v + u``, send ``C(v)``, ``v <- v - sent``):
+  DGC's momentum correction (Lin et al. 2018, Sec. 3.2) for any codec. With
+  ``masking=True`` u is also zeroed where something was sent (DGC's factor
+  masking, meant for sparsifiers).
+- :func:`ef21`: EF21 (Richtárik, Sokolov & Fatkhullin 2021). Each worker
+  keeps its gradient estimate ``g_i`` and sends ``C(grad - g_i)``; ``g_i``
+  advances by what it sent and every worker advances the shared estimate
+  ``g`` by the decoded mean, which is the output. With ``momentum=eta`` it is
+  EF21-SGDM (Fatkhullin, Tyurin & Richtárik 2023, Algorithm 2): the worker
+  first averages ``v_i <- (1 - eta) v_i + eta grad`` and compresses
+  ``v_i - g_i``.
+
+State lives in the bucket layout in float32 like every memory; non-finite
+values never enter it (a non-finite step keeps the previous state).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomp.core import Memory
+from jaxcomp.transforms import _args
+from jaxcomp.transforms.dgc import DGCMemory, DGCState
+
+
+class MomentumCorrection(DGCMemory):
+  """``u <- m u + g``, ``v <- v + u``; the exchange sends part of v; v keeps the rest.
+
+  v keeps exactly ``v - sent`` (what a quantized value lost included).
+  ``masking``: zero u where the local decode is nonzero, as DGC does (dense
+  buckets keep their momentum); RedSync's ``momentum=`` uses it. Without
+  masking u is never reset: the mean over workers of what is sent sums to
+  the momentum SGD direction, delayed by the residual.
+  """
+
+  def __init__(self, momentum: float, masking: bool):
+    super().__init__(momentum, None, None)
+    self.masking = bool(masking)
+
+  def unmasked(self, buckets, count: int) -> list:
+    return super().unmasked(buckets, count) if self.masking else [True] * count
+
+  def update(self, x, sent, state, buckets=None, dense_step=None):
+    masked = super().update(x, sent, state, buckets, dense_step)
+    # v keeps v - sent everywhere (DGC keeps 0 at sent entries, dropping what quantized values lost).
+    return DGCState(masked.momentum, Memory.update(self, x, sent, state.accumulation))
+
+
+def momentum_correction(momentum: float = 0.9, masking: bool = False) -> MomentumCorrection:
+  """Momentum before the compressor, error feedback on it; follow with ``optax.sgd(lr)``.
+
+  Args:
+    momentum: m in [0, 1) (0.9 as the outer momentum it replaces).
+    masking: DGC's momentum factor masking (zero u where sent); for
+      sparsifiers. Off by default: with a codec that sends most entries
+      (quantizers, signs) masking would discard the momentum every step.
+
+  References:
+    Lin, Han, Mao, Wang & Dally, *Deep Gradient Compression*, ICLR 2018,
+    Sec. 3.2 (momentum correction, factor masking).
+  """
+  m = _args.unit_interval("momentum", momentum)
+  return MomentumCorrection(m, _args.flag("masking", masking))
+
+
+class EF21State(NamedTuple):
+  """EF21's memory, each field one float32 vector per bucket.
+
+  Attributes:
+    estimate: this worker's gradient estimate ``g_i`` (advanced by what it sent).
+    shared: the shared estimate ``g`` (advanced by the decoded mean; identical
+      on every worker), which is the output.
+    momentum: EF21-SGDM's ``v_i``, or ``()`` for EF21.
+  """
+
+  estimate: Any
+  shared: Any
+  momentum: Any
+
+
+class EF21(Memory):
+  """EF21 / EF21-SGDM: send ``C(v_i - g_i)``, ``g_i += sent``, ``g += mean``, output ``g``."""
+
+  uses_mean = True
+
+  def __init__(self, momentum: float | None):
+    super().__init__()
+    self.eta = momentum
+
+  def init(self, params):
+    zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731 - distinct buffers (donation)
+    return EF21State(estimate=zeros(), shared=zeros(), momentum=() if self.eta is None else zeros())
+
+  def _velocity(self, grads, state):
+    g = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    if self.eta is None:
+      return g
+    e = self.eta
+    return jax.tree.map(lambda v, g: (1.0 - e) * v + e * g, state.momentum, g)
+
+  def compensate(self, grads, state):
+    return jax.tree.map(lambda v, est: v - est, self._velocity(grads, state), state.estimate)
+
+  def update(self, x, sent, state, buckets=None, mean=None):
+    del buckets
+    ok = [jnp.isfinite(xb) for xb in x]
+    # g_i advances by exactly the local decode (0 on a non-finite step).
+    estimate = tuple(jnp.where(k, est + s, est) for k, est, s in zip(ok, state.estimate, sent))
+    shared = tuple(jnp.where(jnp.isfinite(m), g + m, g) for g, m in zip(state.shared, mean))
+    momentum = ()
+    if self.eta is not None:  # v_i = x + g_i (the compensated input), kept where finite
+      momentum = tuple(jnp.where(k, xb + est, v) for k, xb, est, v in zip(ok, x, state.estimate, state.momentum))
+    return EF21State(estimate, shared, momentum)
+
+  def like_params(self, state):
+    return state.estimate
+
+  def output(self, mean, state=None):
+    return tuple(g + m for g, m in zip(state.shared, mean))
+
+
+def ef21(momentum: float | None = None) -> EF21:
+  """EF21 (``momentum=None``) or EF21-SGDM (``momentum=eta``); follow with ``optax.sgd(lr)``.
+
+  Args:
+    momentum: None for EF21; eta in (0, 1] for EF21-SGDM's
+      ``v_i <- (1 - eta) v_i + eta grad`` (the paper's analysis takes eta
+      small; 0.1 corresponds to a momentum of 0.9).
+
+  References:
+    Richtárik, Sokolov & Fatkhullin, *EF21: A New, Simpler, Theoretically
+    Better, and Practically Faster Error Feedback*, NeurIPS 2021, Algorithm 1;
+    Fatkhullin, Tyurin & Richtárik, *Momentum Provably Improves Error
+    Feedback!*, NeurIPS 2023, Algorithm 2 (EF21-SGDM).
+  """
+  if momentum is None:
+    return EF21(None)
+  eta = _args.unit_interval("momentum", momentum, closed_right=True)
+  if eta == 0.0:
+    raise ValueError(f"momentum must be None (EF21) or in (0, 1] (EF21-SGDM), got momentum={momentum!r}")
+  return EF21(eta)
+
+
+__all__ = ["EF21", "EF21State", "MomentumCorrection", "ef21", "momentum_correction"]

@@ -1,0 +1,90 @@
+"""jaxcomp.recipe on a second real task: an MLP on scikit-learn's digits, every method, 8 workers."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from harness import AXIS, N
+
+HIDDEN, STEPS, BATCH, LR = 64, 200, 16, 0.1
+
+
+@pytest.fixture(scope="module")
+def digits():
+  from sklearn.datasets import load_digits
+
+  x, y = load_digits(return_X_y=True)
+  x = (x / 16.0).astype(np.float32)
+  perm = np.random.default_rng(0).permutation(len(x))
+  test, train = perm[:360], perm[360:]
+  train = train[:len(train) // N * N]
+  return (x[train].reshape(N, -1, 64), y[train].reshape(N, -1)), (x[test], y[test])
+
+
+def _init():
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  return {"w1": jax.random.normal(k1, (64, HIDDEN)) / 8.0, "b1": jnp.zeros((HIDDEN,)),
+          "w2": jax.random.normal(k2, (HIDDEN, 10)) / math.sqrt(HIDDEN), "b2": jnp.zeros((10,))}
+
+
+def _logits(p, x):
+  return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def _loss(p, x, y):
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(_logits(p, x)), y[:, None], axis=1))
+
+
+def _accuracy(tx, digits):
+  (xs, ys), (x_test, y_test) = digits
+
+  def run(params, state, x, y):
+    def step(carry, i):
+      params, state = carry
+      j = (i * BATCH) % (x.shape[0] - BATCH)
+      xb, yb = jax.lax.dynamic_slice_in_dim(x, j, BATCH), jax.lax.dynamic_slice_in_dim(y, j, BATCH)
+      updates, state = tx.update(jax.grad(_loss)(params, xb, yb), state, params)
+      return (optax.apply_updates(params, updates), state), None
+
+    return jax.lax.scan(step, (params, state), jnp.arange(STEPS))[0][0]
+
+  params = _init()
+  out = jax.pmap(run, axis_name=AXIS)(jaxcomp.per_worker(params, N), jaxcomp.per_worker(tx.init(params), N),
+                                      xs, ys)
+  for leaf in jax.tree.leaves(out):  # replicas agree (SBC's within ulps of its anchor)
+    a = np.asarray(leaf)
+    np.testing.assert_allclose(a, np.broadcast_to(a[:1], a.shape), rtol=0, atol=1e-5)
+  p = jax.tree.map(lambda a: a[0], out)
+  return float(np.mean(np.argmax(np.asarray(_logits(p, x_test)), -1) == y_test))
+
+
+@pytest.fixture(scope="module")
+def dense_accuracy(digits):
+  return _accuracy(jaxcomp.recipe("none", LR, axis_name=AXIS), digits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(jaxcomp.METHODS) - {"none"}))
+def test_every_recipe_lands_within_2_points_of_dense(name, digits, dense_accuracy):
+  # The library's default leaf policy (conftest compresses every leaf; here small leaves go dense).
+  tx = jaxcomp.recipe(name, LR, axis_name=AXIS, min_size=1024)
+  acc = _accuracy(tx, digits)
+  print(f"{name}: {100 * acc:.1f}% (dense {100 * dense_accuracy:.1f}%)")
+  assert acc >= dense_accuracy - 0.02
+
+
+def test_recipes_cover_every_method_and_say_why():
+  assert set(jaxcomp.recipes.RECIPES) == set(jaxcomp.METHODS)
+  for name, r in jaxcomp.recipes.RECIPES.items():
+    assert r.kind in ("outer", "inner", "ef21", "own", "after") and r.why, name
+  chain = jaxcomp.recipe("topk", 0.1, axis_name=AXIS)
+  assert isinstance(chain, optax.GradientTransformation)
+  tx = jaxcomp.recipe_method("topk", axis_name=AXIS)
+  assert isinstance(tx.method.memory, jaxcomp.memories.MomentumCorrection)
+  with pytest.raises(ValueError, match="optimizer"):
+    jaxcomp.recipe("topk", 0.1, optimizer="adam")
