@@ -46,6 +46,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompressState", "CompressionTransformation", "Method", "METHODS", "build",
-    "collective_bytes", "configure", "cpu_devices", "ef21", "momentum_correction", "recipe", "recipe_method", "dgc_warmup_schedule", "local", "measure_wire_bytes", "memory_tree",
+    "collective_bytes", "configure", "cpu_devices", "ef21", "momentum_correction", "recipe", "recipe_method", "recipes", "dgc_warmup_schedule", "local", "measure_wire_bytes", "memory_tree",
     "per_worker", "stacked", "wire_bytes",
 ] + sorted(METHODS)
