@@ -305,6 +305,10 @@ def _bucket(sizes, seed, kind="normal"):
   return x, segs
 
 
+_search_alone = jax.jit(lambda leaf, k, t: selection.threshold_binary_search(leaf, k, threshold=t),
+                        static_argnums=1)
+
+
 @pytest.mark.parametrize("kind", ["normal", "ties", "sparse"])
 def test_segment_search_matches_each_leaf_alone(kind):
   sizes = (1000, 37, 300, 4099)
@@ -320,7 +324,7 @@ def test_segment_search_matches_each_leaf_alone(kind):
   for s, n in enumerate(sizes):
     o = segs.offsets[s]
     leaf = x[o:o + n]
-    alone = selection.threshold_binary_search(jnp.asarray(leaf), int(k[s]), threshold=guess[s])
+    alone = _search_alone(jnp.asarray(leaf), int(k[s]), guess[s])
     mine = bs_idx[(bs_idx >= o) & (bs_idx < o + n)] - o
     np.testing.assert_array_equal(mine, np.asarray(alone.indices)[:int(alone.count)], err_msg=str(s))
     assert float(bs.threshold[s]) == float(alone.threshold)
@@ -338,6 +342,21 @@ def test_prefix_sums_match_numpy(n):
   np.testing.assert_array_equal(np.asarray(sums), [c.sum() for c in np.split(v, np.cumsum(lengths)[:-1])])
 
 
+@functools.lru_cache(maxsize=None)
+def _cap_programs():
+  """Compiled once for every hypothesis example: cap_segments + compact, and compact_segments."""
+  sizes, caps = (1000, 37, 4099), np.array([7, 64, 100])
+  _, segs = _bucket(sizes, 0)
+
+  @jax.jit
+  def two_steps(w, f):
+    words, kept = selection.cap_segments(w, segs, caps, f)
+    return (*selection.compact(words, segs.length, int(caps.sum())), kept)
+
+  one_step = jax.jit(lambda w, f: selection.compact_segments(w, segs, caps, start_words=f))
+  return sizes, caps, segs, two_steps, one_step
+
+
 @given(first=st.lists(st.integers(0, 200), min_size=3, max_size=3), density=st.sampled_from([0.01, 0.3, 1.0]),
        seed=st.integers(0, 3))
 def test_cap_segments_matches_numpy(first, density, seed):
@@ -345,17 +364,14 @@ def test_cap_segments_matches_numpy(first, density, seed):
 
   cap_segments + compact, and compact_segments (one prefix sum), against numpy.
   """
-  sizes, caps = (1000, 37, 4099), np.array([7, 64, 100])
-  _, segs = _bucket(sizes, 0)
+  sizes, caps, segs, two_steps, one_step = _cap_programs()
   rng = np.random.default_rng(seed)
   mask = np.zeros(segs.length, bool)
   for s, n in enumerate(sizes):
     mask[segs.offsets[s]:segs.offsets[s] + n] = rng.random(n) < density
-  words, kept = jax.jit(lambda w, f: selection.cap_segments(w, segs, caps, f))(
-      selection.pack_mask(jnp.asarray(mask)), jnp.asarray(first, jnp.int32))
-  idx, count = selection.compact(words, segs.length, int(caps.sum()))
-  one = jax.jit(lambda w, f: selection.compact_segments(w, segs, caps, start_words=f))(
-      selection.pack_mask(jnp.asarray(mask)), jnp.asarray(first, jnp.int32))
+  words = selection.pack_mask(jnp.asarray(mask))
+  idx, count, kept = two_steps(words, jnp.asarray(first, jnp.int32))
+  one = one_step(words, jnp.asarray(first, jnp.int32))
   for a, b in zip(one, (idx, count, kept)):  # the fused form: the same positions, counts, kept bits
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   idx = np.asarray(idx)[:int(count)]

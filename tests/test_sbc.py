@@ -238,10 +238,10 @@ def test_delay_needs_the_parameters():
   tx = jaxcomp.sbc(delay=2)
   params = params_tree()
   match = r"sbc with delay=2 needs the parameters: call tx.update\(updates, state, params\)"
-  with pytest.raises(ValueError, match=match):
-    tx.update(params, tx.init(params))
-  tx.update(params, tx.init(params), params)
-  jaxcomp.sbc(delay=1).update(params, jaxcomp.sbc(delay=1).init(params))  # delay=1 does not
+  with pytest.raises(ValueError, match=match):  # at trace time
+    jax.eval_shape(tx.update, params, tx.init(params))
+  jax.eval_shape(tx.update, params, tx.init(params), params)
+  jax.eval_shape(jaxcomp.sbc(delay=1).update, params, jaxcomp.sbc(delay=1).init(params))  # delay=1 does not
 
 
 def test_bad_arguments_name_the_argument():
