@@ -96,3 +96,33 @@ def pmap_wire_bytes(tx, params, n: int = N):
 def local_round_trip(tx, grads, state):
   """``axis_name=None`` update, jitted (one worker, no collective)."""
   return jax.jit(tx.update)(grads, state)
+
+
+# ----------------------------------------------------------------------------
+# A real task: scikit-learn's digits, a small MLP, 8 workers with data shards.
+
+
+def digits(n: int = N):
+  """((x, y) sharded on a leading worker axis of n, (x_test, y_test)); 360 digits held out."""
+  from sklearn.datasets import load_digits
+
+  x, y = load_digits(return_X_y=True)
+  x = (x / 16.0).astype(np.float32)
+  perm = np.random.default_rng(0).permutation(len(x))
+  test, train = perm[:360], perm[360:]
+  train = train[:len(train) // n * n]
+  return (x[train].reshape(n, -1, 64), y[train].reshape(n, -1)), (x[test], y[test])
+
+
+def mlp_init(hidden: int):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  return {"w1": jax.random.normal(k1, (64, hidden)) / 8.0, "b1": jnp.zeros((hidden,)),
+          "w2": jax.random.normal(k2, (hidden, 10)) / np.sqrt(hidden), "b2": jnp.zeros((10,))}
+
+
+def mlp_logits(p, x):
+  return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def mlp_loss(p, x, y):
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(mlp_logits(p, x)), y[:, None], axis=1))

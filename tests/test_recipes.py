@@ -1,7 +1,5 @@
 """jaxcomp.recipe on a second real task: an MLP on scikit-learn's digits, every method, 8 workers."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +7,7 @@ import optax
 import pytest
 
 import jaxcomp
+import harness
 from harness import AXIS, N
 
 HIDDEN, STEPS, BATCH, LR = 64, 200, 16, 0.1
@@ -16,28 +15,14 @@ HIDDEN, STEPS, BATCH, LR = 64, 200, 16, 0.1
 
 @pytest.fixture(scope="module")
 def digits():
-  from sklearn.datasets import load_digits
-
-  x, y = load_digits(return_X_y=True)
-  x = (x / 16.0).astype(np.float32)
-  perm = np.random.default_rng(0).permutation(len(x))
-  test, train = perm[:360], perm[360:]
-  train = train[:len(train) // N * N]
-  return (x[train].reshape(N, -1, 64), y[train].reshape(N, -1)), (x[test], y[test])
+  return harness.digits()
 
 
 def _init():
-  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-  return {"w1": jax.random.normal(k1, (64, HIDDEN)) / 8.0, "b1": jnp.zeros((HIDDEN,)),
-          "w2": jax.random.normal(k2, (HIDDEN, 10)) / math.sqrt(HIDDEN), "b2": jnp.zeros((10,))}
+  return harness.mlp_init(HIDDEN)
 
 
-def _logits(p, x):
-  return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-
-
-def _loss(p, x, y):
-  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(_logits(p, x)), y[:, None], axis=1))
+_logits, _loss = harness.mlp_logits, harness.mlp_loss
 
 
 def _accuracy(tx, digits):

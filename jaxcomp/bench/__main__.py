@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "selection": "jaxcomp.bench.selection",  # RedSync selection vs lax.top_k
     "wire": "jaxcomp.bench.wire",          # payload bits per element, nominal and measured
     "longrun": "jaxcomp.bench.longrun",    # thousands of steps: bounded residuals, keys, replicas
+    "recipes": "jaxcomp.bench.recipes",    # each method's jaxcomp.recipe as a table
 }
 
 
