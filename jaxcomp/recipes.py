@@ -80,8 +80,9 @@ RECIPES: dict[str, Recipe] = {
     "signsgd": Recipe("inner", "sign with error feedback (scale per leaf) and momentum before it",
                       method_kwargs=(("error_feedback", True),)),
     "efsignsgd": Recipe("outer", "its scaled memory holds the learning rate; outer momentum as dense"),
-    "dgc": Recipe("own", "DGC's own momentum correction, masking and warm-up; no local clipping",
-                  method_kwargs=(("clip_norm", None),)),
+    "dgc": Recipe("own", "DGC's own momentum correction and masking; without its warm-up and clipping"
+                  " (main job, 600 steps: 90.0% with them, 97.4% without, dense 97.5%)",
+                  method_kwargs=(("clip_norm", None), ("warmup_steps", 0))),
     "redsync": Recipe("inner", "momentum before the residual, without DGC's masking"),
     "signum": Recipe("own", "local momentum, majority vote of signs: a +-1 step, lr scaled",
                      lr_scale=0.02),
