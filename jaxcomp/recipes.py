@@ -105,12 +105,10 @@ def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = No
     **method_kwargs: the factory's settings (override the recipe's).
 
   Returns:
-    ``optax.chain(method, optax.sgd(...))``; the method is the chain's first
-    element (``chain[0]`` in :func:`jaxcomp.wire_bytes` terms: pass
-    ``recipe_method(...)`` or the factory's transform for byte counts).
+    The optax chain (``sgd`` after the method, or before it for ``"after"``
+    recipes). For byte counts pass :func:`recipe_method`'s transform to
+    :func:`jaxcomp.wire_bytes`.
   """
-  from jaxcomp import METHODS  # the registry imports this module's siblings
-
   name = _args.choice("name", name, tuple(RECIPES))
   _args.choice("optimizer", optimizer, OPTIMIZERS)
   m = _args.unit_interval("momentum", momentum)
@@ -121,13 +119,12 @@ def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = No
     outer = optax.sgd(lr, momentum=m or None)
   else:
     outer = optax.sgd(lr)
-  del METHODS
   return optax.chain(outer, tx) if r.kind == "after" else optax.chain(tx, outer)
 
 
 def recipe_method(name: str, axis_name: Any = None, *, momentum: float = 0.9, **method_kwargs):
   """The compression transform of :func:`recipe` alone (for :func:`jaxcomp.wire_bytes`)."""
-  from jaxcomp import METHODS
+  from jaxcomp import METHODS  # the registry imports this module
 
   name = _args.choice("name", name, tuple(RECIPES))
   r = RECIPES[name]
