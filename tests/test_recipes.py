@@ -18,13 +18,6 @@ def digits():
   return harness.digits()
 
 
-def _init():
-  return harness.mlp_init(HIDDEN)
-
-
-_logits, _loss = harness.mlp_logits, harness.mlp_loss
-
-
 def _accuracy(tx, digits):
   (xs, ys), (x_test, y_test) = digits
 
@@ -33,19 +26,19 @@ def _accuracy(tx, digits):
       params, state = carry
       j = (i * BATCH) % (x.shape[0] - BATCH)
       xb, yb = jax.lax.dynamic_slice_in_dim(x, j, BATCH), jax.lax.dynamic_slice_in_dim(y, j, BATCH)
-      updates, state = tx.update(jax.grad(_loss)(params, xb, yb), state, params)
+      updates, state = tx.update(jax.grad(harness.mlp_loss)(params, xb, yb), state, params)
       return (optax.apply_updates(params, updates), state), None
 
     return jax.lax.scan(step, (params, state), jnp.arange(STEPS))[0][0]
 
-  params = _init()
+  params = harness.mlp_init(HIDDEN)
   out = jax.pmap(run, axis_name=AXIS)(jaxcomp.per_worker(params, N), jaxcomp.per_worker(tx.init(params), N),
                                       xs, ys)
   for leaf in jax.tree.leaves(out):  # replicas agree (SBC's within ulps of its anchor)
     a = np.asarray(leaf)
     np.testing.assert_allclose(a, np.broadcast_to(a[:1], a.shape), rtol=0, atol=1e-5)
   p = jax.tree.map(lambda a: a[0], out)
-  return float(np.mean(np.argmax(np.asarray(_logits(p, x_test)), -1) == y_test))
+  return float(np.mean(np.argmax(np.asarray(harness.mlp_logits(p, x_test)), -1) == y_test))
 
 
 @pytest.fixture(scope="module")
