@@ -1,6 +1,6 @@
 """Checkpoint and resume: every method continues bit for bit in a fresh process.
 
-For every method in ``jaxcomp.METHODS`` (under pmap, 8 workers) and one under
+For every method in ``jaxcomp.METHODS`` through its ``jaxcomp.recipe`` (under pmap, 8 workers) and one under
 shard_map: train a tiny model ``FIRST_STEPS`` steps, save (params, optimizer
 state) with :mod:`jaxcomp.checkpoint`, restore it in a new Python process,
 train ``RESUMED_STEPS`` more steps there; the parameters equal, bit for bit,

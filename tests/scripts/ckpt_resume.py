@@ -47,7 +47,8 @@ def params0():
 
 
 def optimizer(name: str):
-  return optax.chain(jaxcomp.METHODS[name](axis_name=AXIS), optax.sgd(0.05, momentum=0.9))
+  # Each method through its recipe: its memory (momentum correction, EF21, ...) and the outer sgd.
+  return jaxcomp.recipe(name, 0.05, axis_name=AXIS)
 
 
 def _loss(params, step, worker):
