@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp import layout
+from jaxcomp import hierarchy, layout
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import Axis, AxisName, check_axis_name, current_axis
 
@@ -340,6 +340,11 @@ class Method:
   ``fused``: when set, one :class:`FusedExchange` handles every group of a
   step instead of each bucket's exchange on its own.
   ``start_step``: steps before which every bucket travels dense (warm-up).
+  ``chunkable``: under a fast axis the buckets may be cut into chunks
+  (:mod:`jaxcomp.hierarchy`); False for exchanges that read the leaves' shapes.
+  ``stages``: ``(first step, route)`` of each later stage of a schedule (see
+  :func:`staged`); ``route`` is the first stage's. Every stage lays the
+  leaves out alike, so the memory and the exchanges' state carry over.
   ``bucket_bytes``, ``min_size``, ``dense``: see :func:`build`.
   """
 
@@ -348,17 +353,35 @@ class Method:
   memory: Memory
   fused: FusedExchange | None = None
   start_step: int = 0
+  stages: Tuple[Tuple[int, Callable], ...] = ()
+  chunkable: bool = True
   bucket_bytes: int = layout.BUCKET_BYTES
   min_size: int | None = None
   dense: Any = None
 
-  def buckets(self, updates: Any) -> Tuple[layout.Bucket, ...]:
-    """The bucket layout of a gradient tree (static: shapes and the dense mask only)."""
+  def buckets(self, updates: Any, stage: int = 0) -> Tuple[layout.Bucket, ...]:
+    """The bucket layout of a gradient tree (static: shapes and the dense mask only).
+
+    ``stage``: whose exchanges the buckets hold (0, the first, or ``i`` for
+    ``stages[i - 1]``); the layout itself is the same for every stage.
+    """
     leaves = jax.tree.leaves(updates)
     flags = layout.dense_flags(self.dense, updates)
     min_size = layout.MIN_SIZE if self.min_size is None else self.min_size
-    return _plan(self.route, self.bucket_bytes, tuple(tuple(np.shape(x)) for x in leaves),
+    route = self.route if stage == 0 else self.stages[stage - 1][1]
+    return _plan(route, self.bucket_bytes, tuple(tuple(np.shape(x)) for x in leaves),
                  None if flags is None else tuple(flags), min_size)
+
+  def steady(self) -> "Method":
+    """This method after its warm-up: the last stage alone, no dense start."""
+    route = self.stages[-1][1] if self.stages else self.route
+    return dataclasses.replace(self, route=route, stages=(), start_step=0)
+
+  def stage_at(self, step: int) -> int | None:
+    """The stage that runs at ``step`` (an int), or None during the dense warm-up."""
+    if step < self.start_step:
+      return None
+    return sum(step >= first for first, _ in self.stages)
 
   def plan(self, leaves: Sequence[Any]):
     """The groups of the group form, over every bucket: ``(exchange, view, leaf indices)``."""
@@ -368,20 +391,55 @@ class Method:
         out.append((b.exchange, view, [b.leaves[s] for s in idx]))
     return out
 
-  def wire_bytes(self, params: Any, nonfinite_flag: bool = True) -> int:
+  def wire_bytes(self, params: Any, nonfinite_flag: bool = True, step: int | None = None) -> int:
     """Nominal bytes one worker hands to collectives per step for ``params``.
 
     ``nonfinite_flag``: count the float32 that tells every worker about a
     non-finite step (see :func:`build`); it is sent only over an axis, and
     only when some bucket's exchange does not carry NaN/Inf by itself.
+    ``step``: the bytes of the step ``step`` (its stage, or the dense
+    warm-up); None, the last stage's (the steady state).
     """
-    buckets = self.buckets(params)
-    flag = nonfinite_flag and any(not b.exchange.carries_nonfinite for b in buckets)
+    stage = len(self.stages) if step is None else self.stage_at(step)
+    buckets = self.buckets(params, stage or 0)
+    flag = nonfinite_flag and not _carries_nonfinite(self, params)
+    if stage is None:  # the warm-up's one all-reduce of every bucket
+      return 4 * sum(b.length for b in buckets) + (NONFINITE_FLAG_BYTES if flag else 0)
     if self.fused is not None:
       payload = self.fused.wire_bytes(self.plan(jax.tree.leaves(params)))
     else:
       payload = sum(b.exchange.bucket_wire_bytes(b.segments) for b in buckets)
     return payload + (NONFINITE_FLAG_BYTES if flag else 0)
+
+
+def _carries_nonfinite(method: Method, updates) -> bool:
+  """True if every bucket's exchange, in every stage, carries NaN/Inf into the mean."""
+  return all(b.exchange.carries_nonfinite for i in range(len(method.stages) + 1)
+             for b in method.buckets(updates, i))
+
+
+def _check_stages(method: Method, updates, buckets) -> None:
+  """Every stage must lay the leaves out alike (the memory and the state carry over)."""
+  def shape(bs):
+    return [(b.leaves, b.segments.offsets, b.segments.sizes, b.length, b.exchange is DENSE) for b in bs]
+
+  for i, (first, _) in enumerate(method.stages, 1):
+    if shape(method.buckets(updates, i)) != shape(buckets):
+      raise ValueError(
+          f"stages: the stage from step {first} lays the gradients out in other buckets than the"
+          " first stage (a different bucket policy or block size); every stage must use the same"
+          " method with the same bucket_bytes, min_size and dense")
+
+
+def _names(axis_name) -> tuple:
+  if axis_name is None:
+    return ()
+  return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _chunkable(method: Method) -> bool:
+  """Whether the buckets can be cut into chunks (no fused exchange, no exchange that reads leaf shapes)."""
+  return method.fused is None and method.chunkable
 
 
 @functools.lru_cache(maxsize=256)
@@ -486,7 +544,8 @@ def _positive_int(name, value, low):
 
 
 def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
-          min_size: int | None = None, dense: Any = None) -> CompressionTransformation:
+          min_size: int | None = None, dense: Any = None,
+          dense_axis_name: AxisName = None) -> CompressionTransformation:
   """Assembles ``method`` into an optax transformation communicating over ``axis_name``.
 
   Args:
@@ -500,6 +559,11 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
       :data:`jaxcomp.layout.MIN_SIZE`, 1024); 0 or 1 compresses every leaf.
     dense: leaves kept dense whatever their size: an optax-style mask, a
       pytree of bools like the gradients or a callable returning one.
+    dense_axis_name: a fast axis (inside a node) averaged densely before the
+      compressed exchange over ``axis_name`` (between nodes), see
+      :mod:`jaxcomp.hierarchy`; None (default): compress over ``axis_name`` alone.
+      With it, call ``tx.init`` inside the mesh too: each worker's state
+      holds its chunk of every bucket.
 
   Returns:
     A :class:`CompressionTransformation`; its ``update`` returns the mean over
@@ -525,6 +589,13 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
   feedback) the output is left exactly as ``lax.pmean`` gives it.
   """
   axis_name = check_axis_name(axis_name)
+  dense_axis_name = check_axis_name(dense_axis_name, "dense_axis_name")
+  if dense_axis_name is not None and axis_name is None:
+    raise ValueError(f"dense_axis_name={dense_axis_name!r} needs axis_name (the slow axis the compressed"
+                     " exchange runs over), got axis_name=None")
+  if dense_axis_name is not None and set(_names(dense_axis_name)) & set(_names(axis_name)):
+    raise ValueError(f"dense_axis_name={dense_axis_name!r} and axis_name={axis_name!r} must name different"
+                     " mesh axes (the fast one and the slow one)")
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise TypeError(f"seed must be an int, got seed={seed!r}")
   if not -2 ** 63 <= int(seed) < 2 ** 63:
@@ -541,14 +612,42 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
       min_size=method.min_size if min_size is None else min_size,
       dense=method.dense if dense is None else dense)
 
+  def work_buckets(tree, stage=0):
+    """The buckets this worker compresses: whole, or its chunk of each under a fast axis."""
+    full = method.buckets(tree, stage)
+    if dense_axis_name is None or not _chunkable(method):
+      return full
+    return hierarchy.chunked(full, current_axis(dense_axis_name).size)
+
   def init_fn(params):
     key = jax.random.PRNGKey(seed)
-    buckets = method.buckets(params)
+    if dense_axis_name is not None:
+      try:
+        current_axis(dense_axis_name)
+      except ValueError:
+        raise ValueError(
+            f"with dense_axis_name={dense_axis_name!r}, call tx.init inside the mesh (jax.shard_map"
+            " over both axes, or jaxcomp.data_parallel): each worker's state holds its chunk of every"
+            " bucket, whose size depends on the fast axis") from None
+    buckets = work_buckets(params)
+    if method.stages:
+      _check_stages(method, params, method.buckets(params))
+    if dense_axis_name is not None and _chunkable(method):  # each worker of a node its own chunk
+      key = jax.random.fold_in(key, current_axis(dense_axis_name).index)
     zeros = tuple(jnp.zeros((b.length,), jnp.float32) for b in buckets)
     # A fused method calls its groups in the group form: their state is the group form's.
     init = (lambda b, k: Exchange.init_bucket(b.exchange, b.segments, k)) if method.fused is not None \
         else (lambda b, k: b.exchange.init_bucket(b.segments, k))
     extra = tuple(init(b, jax.random.fold_in(key, i)) for i, b in enumerate(buckets))
+    if method.stages:
+      for j, (first, _) in enumerate(method.stages, 1):
+        other = tuple(init(b, jax.random.fold_in(key, i)) for i, b in enumerate(work_buckets(params, j)))
+        if jax.tree.structure(other) != jax.tree.structure(extra) or \
+            [np.shape(a) for a in jax.tree.leaves(other)] != [np.shape(a) for a in jax.tree.leaves(extra)]:
+          raise ValueError(
+              f"stages: the stage from step {first} keeps exchange state of another shape than the"
+              f" first stage ({method.name}'s state depends on the setting the stages change, e.g."
+              " PowerSGD's Q on the rank); schedule a setting that leaves the state alike")
     return CompressState(
         count=jnp.zeros((), jnp.int32), key=key,
         memory=method.memory.init(zeros), extra=extra, phase=jnp.zeros((), jnp.uint32))
@@ -559,25 +658,42 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
     leaves = [leaf for _, leaf in paths_leaves]
     _check_leaves(leaves, [p for p, _ in paths_leaves])
-    buckets = method.buckets(updates)
+    full = method.buckets(updates)
+    if method.stages:
+      _check_stages(method, updates, full)
+    buckets = work_buckets(updates)
     _check_state(method, state, buckets, treedef)
     axis = current_axis(axis_name)
+    fast = None if dense_axis_name is None else current_axis(dense_axis_name)
+    chunks = fast is not None and buckets is not full
     key, step_key = jax.random.split(state.key)
     ctx = Ctx(axis, step_key, state.count, state.phase)
 
-    grads = tuple(layout.pack(buckets, leaves))                       # bucket
-    x = method.memory.compensate(grads, state.memory)                 # compensate
-    bucket_params = _bucket_params(buckets, treedef, params)
+    grads = layout.pack(full, leaves)                                 # bucket
+    bucket_params = _bucket_params(full, treedef, params)
+    if chunks:  # the node's mean of this worker's chunk (dense, fast axis)
+      grads = hierarchy.reduce_scatter_mean(grads, buckets, fast)
+      bucket_params = hierarchy.chunk_of(bucket_params, buckets, fast)
+    elif fast is not None:  # not chunkable: the node's mean of every bucket
+      grads = [g / fast.size for g in ops.allreduce_sum(tuple(grads), fast)]
+    x = method.memory.compensate(tuple(grads), state.memory)          # compensate
     # encode, collective, decode (dense during the warm-up: one program, both paths)
-    mean, local, extra = _exchange_or_warm_up(method, buckets, x, state.extra, ctx, bucket_params)
+    mean, local, extra = _exchange_or_warm_up(method, lambda i: work_buckets(updates, i), x, state.extra,
+                                              ctx, bucket_params)
     local = [jnp.where(b.segments.valid(), s, 0.0) if b.segments.has_pads else s
              for b, s in zip(buckets, local)]
-    mean, local, extra = _guard_nonfinite(buckets, x, mean, local, extra, state, axis)
+    # chunks: a NaN lands in one worker's chunk, so the flag goes over both axes
+    flag_axis = Axis(_names(axis_name) + _names(dense_axis_name), 0, axis.index) if chunks else axis
+    mean, local, extra = _guard_nonfinite(_carries_nonfinite(method, updates), x, mean, local, extra,
+                                          state, flag_axis, chunks)
     extra_args = {"mean": tuple(mean)} if method.memory.uses_mean else {}
     if getattr(method.memory, "masks", False) and method.start_step > 0:
       extra_args["dense_step"] = ctx.count < method.start_step
     memory = method.memory.update(tuple(x), tuple(local), state.memory, buckets, **extra_args)  # residual
-    out = layout.unpack(buckets, method.memory.output(tuple(mean), state.memory), leaves)
+    out = method.memory.output(tuple(mean), state.memory)
+    if chunks:  # every worker's mean chunk, back in whole buckets (fast axis)
+      out = hierarchy.all_gather(out, full, fast)
+    out = layout.unpack(full, out, leaves)
     new_state = CompressState(
         count=optax.safe_int32_increment(state.count), key=key,
         memory=memory, extra=tuple(extra), phase=state.phase + jnp.uint32(1))
@@ -586,27 +702,41 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
   tx = CompressionTransformation(init_fn, update_fn)
   tx.method = method
   tx.axis_name = axis_name
+  tx.dense_axis_name = dense_axis_name
   tx.seed = int(seed)
   return tx
 
 
-def _exchange_or_warm_up(method: Method, buckets, x, extras, ctx: Ctx, params):
-  """The exchanges, or before ``method.start_step`` the dense mean of every bucket (all sent)."""
-  if method.start_step <= 0:
-    return _exchange_all(method, buckets, x, extras, ctx, params)
+def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: Ctx, params):
+  """The exchanges of the step's stage, or before ``method.start_step`` the dense mean (all sent).
 
+  One compiled program holds every stage: ``lax.switch`` on the step count.
+  """
   def dense(x, extras):
     mean = ops.allreduce_sum(tuple(x), ctx.axis)  # one all-reduce for every bucket
     return [m / ctx.axis.size for m in mean], list(x), list(extras)
 
-  def compressed(x, extras):
-    mean, local, extra = _exchange_all(method, buckets, list(x), extras, ctx, params)
-    return list(mean), list(local), list(extra)
+  def stage(i):
+    buckets = layout_of(i)
 
-  return lax.cond(ctx.count < method.start_step, dense, compressed, tuple(x), tuple(extras))
+    def compressed(x, extras):
+      mean, local, extra = _exchange_all(method, buckets, list(x), extras, ctx, params)
+      return list(mean), list(local), list(extra)
+
+    return compressed
+
+  branches = ([dense] if method.start_step > 0 else []) + \
+      [stage(i) for i in range(len(method.stages) + 1)]
+  if len(branches) == 1:
+    return branches[0](x, extras)
+  branches = [lambda x, e, f=f: ops.varying(f(x, e), ctx.axis) for f in branches]
+  firsts = ([method.start_step] if method.start_step > 0 else []) + [s for s, _ in method.stages]
+  index = sum((ctx.count >= s).astype(jnp.int32) for s in firsts)
+  return lax.switch(index, branches, tuple(x), tuple(extras))
 
 
-def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None = None):
+def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None = None,
+              dense_axis_name: AxisName = None):
   """``tx`` rebuilt with another memory or a warm-up; every other setting kept.
 
   Args:
@@ -618,6 +748,8 @@ def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None =
       refuse it.
     start_step: steps of dense exchange before compression starts (torch's
       ``start_powerSGD_iter``); the program holds both paths, compiled once.
+    dense_axis_name: a fast axis averaged densely first (see :func:`build`);
+      None keeps the transformation's.
 
   Returns:
     A new transformation; its state has the new memory's layout (call ``init`` again).
@@ -640,16 +772,78 @@ def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None =
         or not 0 <= start_step < 2 ** 31:
       raise ValueError(f"start_step must be an int in [0, 2**31), got start_step={start_step!r}")
     method = dataclasses.replace(method, start_step=int(start_step))
-  return build(method, tx.axis_name, tx.seed)
+  if dense_axis_name is None:
+    dense_axis_name = getattr(tx, "dense_axis_name", None)
+  return build(method, tx.axis_name, tx.seed, dense_axis_name=dense_axis_name)
 
 
-def _guard_nonfinite(buckets, x, mean, local, extra, state, axis):
-  """A non-finite step: NaN output on every worker, nothing counted as sent, exchange state kept."""
-  carried = all(b.exchange.carries_nonfinite for b in buckets)
+def staged(stages: Sequence[Tuple[int, Any]]) -> CompressionTransformation:
+  """One transformation that runs ``tx_i`` from step ``s_i`` on: a schedule of a method's settings.
+
+  ``jaxcomp.staged([(0, topk(0.25, axis_name="data")), (100, topk(0.01, axis_name="data"))])``
+  sends 25% of the entries for 100 steps, then 1%. Each stage's payload has
+  its own static size (the bytes shrink with the ratio, unlike a traced
+  ratio that sizes the payload for its largest value), and one compiled
+  program holds every stage (``lax.switch`` on the step count). The memory
+  and the exchanges' state carry over from stage to stage. DGC's
+  exponential warm-up is one case (:func:`jaxcomp.ratio_warmup`); a dense
+  start is :func:`configure`'s ``start_step`` (it composes with this).
+
+  Args:
+    stages: ``(first step, tx)`` pairs, the first at step 0, first steps
+      increasing; every ``tx`` from the same factory with the same
+      ``axis_name``, memory and bucket policy (only settings that leave the
+      state's shapes alike may change: a ratio, not PowerSGD's rank).
+
+  Returns:
+    A transformation like the first stage's; :func:`wire_bytes` gives the
+    last stage's bytes (``step=`` for another step's).
+  """
+  try:
+    pairs = [(first, tx) for first, tx in stages]
+  except (TypeError, ValueError):
+    raise TypeError(f"stages must be a sequence of (first step, tx) pairs, got stages={stages!r}") from None
+  if not pairs:
+    raise ValueError("stages must hold at least one (first step, tx) pair, got none")
+  firsts = [f for f, _ in pairs]
+  if any(isinstance(f, bool) or not isinstance(f, (int, np.integer)) for f in firsts) or firsts[0] != 0 \
+      or any(b <= a for a, b in zip(firsts, firsts[1:])) or firsts[-1] >= 2 ** 31:
+    raise ValueError(f"stages: the first steps must be ints starting at 0 and increasing (below 2**31),"
+                     f" got {firsts}")
+  methods = []
+  for f, tx in pairs:
+    m = getattr(tx, "method", None)
+    if not isinstance(m, Method):
+      raise TypeError(f"stages: the stage from step {f} is not a jaxcomp transformation: {tx!r}")
+    if m.fused is not None or m.stages or m.start_step:
+      raise ValueError(f"stages: the stage from step {f} ({m.name}) is fused, staged or has a start_step;"
+                       " stage plain transformations (add a dense start with configure(start_step=))")
+    methods.append(m)
+  head, tx0 = methods[0], pairs[0][1]
+  for (f, tx), m in zip(pairs[1:], methods[1:]):
+    same = (m.name == head.name and tx.axis_name == tx0.axis_name
+            and getattr(tx, "dense_axis_name", None) == getattr(tx0, "dense_axis_name", None)
+            and type(m.memory) is type(head.memory) and vars(m.memory) == vars(head.memory)
+            and (m.bucket_bytes, m.min_size) == (head.bucket_bytes, head.min_size))
+    if not same:
+      raise ValueError(
+          f"stages: the stage from step {f} ({m.name}) differs from the first ({head.name}) in the"
+          " method, axis_name, memory or bucket policy; only the method's other settings may change")
+  method = dataclasses.replace(head, stages=tuple((f, m.route) for f, m in zip(firsts[1:], methods[1:])))
+  return build(method, tx0.axis_name, tx0.seed, dense_axis_name=getattr(tx0, "dense_axis_name", None))
+
+
+def _guard_nonfinite(carried, x, mean, local, extra, state, axis, chunks=False):
+  """A non-finite step: NaN output on every worker, nothing counted as sent, exchange state kept.
+
+  ``carried``: every exchange of every stage carries NaN/Inf into the mean.
+  ``chunks``: each worker holds a chunk (a fast axis): its mean shows only its
+  chunk's NaN, so the flag goes over ``axis`` (both axes) whenever there is state.
+  """
   stateless = not jax.tree.leaves((state.memory, state.extra))
-  if not buckets or (carried and stateless):  # exactly the exchanges' mean (lax.pmean)
+  if not x or (carried and stateless):  # exactly the exchanges' mean (lax.pmean; chunks: all-gathered)
     return mean, local, extra
-  if carried:  # the exchanges put any NaN/Inf into the mean
+  if carried and not chunks:  # the exchanges put any NaN/Inf into the mean
     bad = jnp.isnan(_nan_if_nonfinite(mean))
   else:
     bad = jnp.isnan(ops.allreduce_sum(_nan_if_nonfinite(x), axis))
@@ -660,17 +854,74 @@ def _guard_nonfinite(buckets, x, mean, local, extra, state, axis):
   return mean, local, extra
 
 
-def wire_bytes(tx: Any, params: Any) -> int:
+def wire_bytes(tx: Any, params: Any, step: int | None = None) -> int:
   """Nominal payload bytes one worker sends per step with ``tx`` for ``params``.
 
   For psum-ed payloads this is the all-reduce buffer; for gathered payloads,
   what one worker contributes to the all-gather. Compare with
-  :func:`jaxcomp.collectives.wire.measure_wire_bytes` on the compiled step.
+  :func:`jaxcomp.collectives.wire.measure_wire_bytes` on the compiled step
+  (a program with a warm-up or stages holds every stage's collectives).
+  ``step``: the bytes at that step (a warm-up or an earlier stage); None,
+  the steady state (the last stage).
   """
   method = getattr(tx, "method", None)
   if not isinstance(method, Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
-  return method.wire_bytes(params, nonfinite_flag=getattr(tx, "axis_name", None) is not None)
+  if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0):
+    raise ValueError(f"step must be an int >= 0 or None, got step={step!r}")
+  return method.wire_bytes(params, nonfinite_flag=getattr(tx, "axis_name", None) is not None, step=step)
+
+
+def steady(tx: Any) -> CompressionTransformation:
+  """``tx`` after its warm-up: its last stage alone, without a dense start.
+
+  For measuring the steady state (its compiled program holds one stage's
+  collectives, where ``tx``'s holds every stage's); ``tx`` itself is returned
+  when it has no warm-up. The state is alike, so one carries over to the other.
+  """
+  method = getattr(tx, "method", None)
+  if not isinstance(method, Method):
+    raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
+  if not method.stages and not method.start_step:
+    return tx
+  return build(method.steady(), tx.axis_name, tx.seed, dense_axis_name=getattr(tx, "dense_axis_name", None))
+
+
+def wire_bytes_by_axis(tx: Any, params: Any, dense_axis_size: int, step: int | None = None) -> dict:
+  """Nominal bytes one worker hands to each axis per step, for a transform with ``dense_axis_name``.
+
+  Returns ``{axis_name: compressed bytes over the slow axis, dense_axis_name:
+  float32 bytes over the fast axis, "both": the non-finite flag, all-reduced
+  over both axes (0 if none)}``. Under a fast axis of ``dense_axis_size``
+  workers each bucket is reduce-scattered and all-gathered in float32 there
+  (:mod:`jaxcomp.hierarchy`) and only the compressed chunks cross the slow
+  axis; methods that are not chunked (PowerSGD, ACP-SGD) all-reduce every
+  bucket over the fast axis and exchange it whole over the slow one.
+  """
+  method = getattr(tx, "method", None)
+  fast_name = getattr(tx, "dense_axis_name", None)
+  if not isinstance(method, Method) or fast_name is None:
+    raise TypeError(f"tx must be a jaxcomp transformation built with dense_axis_name=..., got {tx!r}")
+  f = _positive_int("dense_axis_size", dense_axis_size, 1)
+  stage = len(method.stages) if step is None else method.stage_at(step)
+  full = method.buckets(params, stage or 0)
+  flag = NONFINITE_FLAG_BYTES if not _carries_nonfinite(method, params) else 0
+  if not _chunkable(method):
+    return {tx.axis_name: method.wire_bytes(params, step=step), fast_name: 4 * sum(b.length for b in full),
+            "both": 0}
+  chunks = hierarchy.chunked(full, f)
+  def state():
+    zeros = tuple(jnp.zeros((b.length,), jnp.float32) for b in chunks)
+    return method.memory.init(zeros), tuple(b.exchange.init_bucket(b.segments, jax.random.PRNGKey(0))
+                                            for b in chunks)
+
+  stateful = bool(jax.tree.leaves(jax.eval_shape(state)))
+  if stage is None:
+    slow = 4 * sum(b.length for b in chunks)
+  else:
+    slow = sum(b.exchange.bucket_wire_bytes(b.segments) for b in chunks)
+  return {tx.axis_name: slow, fast_name: hierarchy.wire_bytes(full, f),
+          "both": NONFINITE_FLAG_BYTES if (stateful or flag) else 0}
 
 
 def memory_tree(tx: Any, state: CompressState, params: Any) -> Any:

@@ -248,6 +248,39 @@ def two_level(workers: int, per_node: int, gbps: float, intra_gbps: float, laten
                  algorithm)
 
 
+def hierarchical_time(slow: Traffic, dense_bytes: float, network: Network, chunked: bool = True) -> float:
+  """Seconds of the two-level compressed exchange (:mod:`jaxcomp.hierarchy`) on a two-level network.
+
+  With ``g`` workers per node and ``m`` nodes:
+
+  - ``chunked`` (the default): a reduce-scatter of the ``dense_bytes`` float32
+    buckets inside the node, the slow collectives of each worker's chunk
+    payload between nodes (``slow``: ``(kind, bytes)`` one worker hands to
+    each; the node's ``g`` workers run theirs at once through the node's
+    link, priced as one collective of ``g x bytes`` over ``m`` nodes), and an
+    all-gather of the ``dense_bytes / g`` mean chunk inside the node.
+  - not chunked (PowerSGD, ACP-SGD): an all-reduce of ``dense_bytes`` inside
+    the node, then the same slow collectives of the whole payload, every
+    worker of the node alike.
+  """
+  if network.per_node == 1 or network.intra is None:
+    raise ValueError("hierarchical_time needs a two-level network (per_node > 1, intra=...)")
+  g, m = network.per_node, network.nodes
+  if chunked:
+    inside = (network._flat("reduce-scatter", dense_bytes, g, network.intra)
+              + network._flat("all-gather", dense_bytes / g, g, network.intra))
+  else:
+    inside = network._flat("all-reduce", dense_bytes, g, network.intra)
+  between = 0.0
+  for kind, b in _entries(slow):
+    if b <= 0:
+      continue
+    if kind not in ("all-reduce", "all-gather", "reduce-scatter"):
+      raise ValueError(f"slow collectives must be all-reduce, all-gather or reduce-scatter, got {kind!r}")
+    between += network._flat(kind, g * b, m, network.link)
+  return float(inside + between)
+
+
 # ----------------------------------------------------------------------------
 # Traffic of a compiled program
 
@@ -362,7 +395,7 @@ def speedup(method: StepTime, dense: StepTime) -> float:
 
 __all__ = [
     "ALGORITHMS", "KINDS", "Link", "Network", "StepTime", "alltoall", "collectives",
-    "communication_time", "compression_time", "flat", "gbit", "permute", "predict",
+    "communication_time", "compression_time", "flat", "gbit", "hierarchical_time", "permute", "predict",
     "ring_allgather", "ring_allreduce", "ring_reduce_scatter", "speedup", "step_time",
     "tree_allgather", "tree_allreduce", "tree_reduce_scatter", "two_level",
 ]

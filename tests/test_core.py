@@ -434,6 +434,7 @@ def test_collective_bytes_parser():
   assert got["collective-permute"] == 32
   assert got["count"] == 6
   assert got["total"] == 400 + 32 + 30 + 128 + 32
+  assert got["by_group_size"] == {1: 32, 4: 400 + 30 + 128 + 32}  # [2,4]<=[8]: groups of 4
 
 
 def test_per_worker_state_for_a_mesh():

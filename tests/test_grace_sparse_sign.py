@@ -356,7 +356,9 @@ def test_dgc_schedule_sizes_payload_and_is_followed():
   plain = jaxcomp.dgc(ratio=0.001, warmup_steps=0, axis_name=AXIS)
   n_big = 40 * 24
   assert dgc_mod.capacity(n_big, 0.25) == int(np.ceil(1.3 * 0.25 * n_big))
-  assert jaxcomp.wire_bytes(warm, params) > jaxcomp.wire_bytes(plain, params)
+  # The warm-up's stages each have their own payload: the densest first, then the target's.
+  assert jaxcomp.wire_bytes(warm, params, step=0) > jaxcomp.wire_bytes(warm, params, step=3) \
+      > jaxcomp.wire_bytes(warm, params) == jaxcomp.wire_bytes(plain, params)
   sched = optax.linear_schedule(0.2, 0.01, 3)
   tx = jaxcomp.dgc(ratio=sched, max_ratio=0.2)
   state = tx.init(params)
@@ -416,12 +418,15 @@ def test_dgc_defaults_are_the_papers_method():
   assert tx.method.memory.clip_norm == dgc_mod.CLIP_NORM == 5.0
   assert tx.method.memory.momentum == 0.9
   params = {"w": jnp.zeros((1000,), jnp.float32)}
-  (bucket,) = tx.method.buckets(params)
-  ex = bucket.exchange
-  assert ex.max_ratio == 0.25  # the payload holds the densest warm-up stage
   steps = dgc_mod.WARMUP_STEPS
-  got = [float(ex.ratio(jnp.int32(t))) for t in (0, steps // 4, steps - 1, steps)]
+  # The warm-up is a schedule of stages, each with the payload of its own density.
+  got = []
+  for t in (0, steps // 4, steps - 1, steps):
+    (bucket,) = tx.method.buckets(params, tx.method.stage_at(t))
+    got.append(bucket.exchange.max_ratio)
+    assert float(bucket.exchange.ratio(jnp.int32(t))) == pytest.approx(bucket.exchange.max_ratio)
   np.testing.assert_allclose(got, [0.25, 0.0625, 0.00390625, 0.001], rtol=1e-6)
+  assert [f for f, _ in tx.method.stages] == [steps // 4, steps // 2, 3 * steps // 4, steps]
   # With a schedule the warm-up is off by default (build it into the schedule).
   sched = jaxcomp.dgc(ratio=optax.constant_schedule(0.01), max_ratio=0.01)
   (bucket,) = sched.method.buckets(params)
@@ -473,13 +478,14 @@ def test_nominal_bytes_per_method():
   n = 1000
   want = {
       "threshold": 100 * (4 + 2) + 4,
-      "dgc": dgc_mod.capacity(n, 0.25) * 6 + 4,  # the default warm-up's densest stage sizes the payload
+      "dgc": dgc_mod.capacity(n, 0.001) * 6 + 4,  # after the default warm-up (its stages: step=)
       "adaq": 8 + 256,  # two means + 2 bits per entry, the leaf padded to 1024 entries (rows of 128)
       "signum": 128,  # 1 bit per entry, the leaf padded to 1024 entries (rows of 128)
       "onebit": 8 + 128,  # the 1000 entries padded to 1024 (segments of 128-entry rows)
   }
   for name, nbytes in want.items():
     assert jaxcomp.wire_bytes(jaxcomp.METHODS[name](), params) == nbytes, name
+  assert jaxcomp.wire_bytes(jaxcomp.dgc(), params, step=0) == dgc_mod.capacity(n, 0.25) * 6 + 4
 
 
 # ----------------------------------------------------------------------------

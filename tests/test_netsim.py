@@ -3,6 +3,7 @@
 import math
 
 import jax
+import jax.numpy as jnp
 import pytest
 from harness import AXIS, init_stacked, params_tree, worker_grads
 
@@ -170,3 +171,37 @@ def test_no_time_for_one_worker():
   for kind in netsim.KINDS:
     assert net.collective(kind, 100 * MB) == 0.0
   assert math.isclose(netsim.predict({"all-reduce": 100 * MB}, net, 0.3).total, 0.3)
+
+
+def test_hierarchical_time_by_hand():
+  # 2 nodes x 2 workers: 1e9 B/s between nodes, 1e10 B/s inside, alpha 1 us on both
+  net = netsim.two_level(4, 2, 8.0, 80.0, latency=1e-6, intra_latency=1e-6)
+  rs = 0.5 * 1000 / 1e10 + 1e-6            # reduce-scatter of the 1000 dense bytes inside the node
+  ag = 1 * 500 / 1e10 + 1e-6               # all-gather of the 500-byte mean chunks inside the node
+  slow = 1 * (2 * 100) / 1e9 + 1e-6        # both workers' 100-byte chunk payloads through the node's link
+  got = netsim.hierarchical_time([("all-gather", 100)], 1000, net)
+  assert got == pytest.approx(rs + ag + slow)
+  # not chunked: a dense all-reduce inside, then every worker's whole payload between nodes
+  ar = 2 * 0.5 * 1000 / 1e10 + 2e-6
+  slow_ar = 2 * 0.5 * (2 * 300) / 1e9 + 2e-6
+  got = netsim.hierarchical_time([("all-reduce", 300)], 1000, net, chunked=False)
+  assert got == pytest.approx(ar + slow_ar)
+  with pytest.raises(ValueError, match="two-level"):
+    netsim.hierarchical_time([("all-gather", 100)], 1000, netsim.flat(4, 10.0))
+  with pytest.raises(ValueError, match="slow collectives"):
+    netsim.hierarchical_time([("all-to-all", 100)], 1000, net)
+
+
+def test_twolevel_bench_traffic_matches_the_bytes_by_axis():
+  from jaxcomp.bench import twolevel
+
+  params = {"w": jnp.zeros((512, 256)), "b": jnp.zeros((256,))}
+  for name in ("topk", "qsgd", "powersgd", "none"):
+    tx = jaxcomp.METHODS[name](axis_name="dcn", dense_axis_name="ici")
+    flat, slow, dense, chunked = twolevel.traffic(tx, params, 8)
+    by_axis = jaxcomp.wire_bytes_by_axis(tx, params, 8)
+    flag = by_axis["both"] if chunked else jaxcomp.wire_bytes(tx, params) - sum(b for _, b in flat)
+    assert sum(b for _, b in slow) + (0 if chunked else flag) == by_axis["dcn"]
+    assert chunked == (name != "powersgd")
+    assert dense == 4 * (512 * 256 + 256)
+  assert "`topk`" in twolevel.table(models=("resnet50",), methods=("topk",), gbps=(10.0,))

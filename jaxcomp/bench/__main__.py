@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "wire": "jaxcomp.bench.wire",          # payload bits per element, nominal and measured
     "longrun": "jaxcomp.bench.longrun",    # thousands of steps: bounded residuals, keys, replicas
     "recipes": "jaxcomp.bench.recipes",    # each method's jaxcomp.recipe as a table
+    "twolevel": "jaxcomp.bench.twolevel",  # flat vs two-level compression on 8 nodes x 8 devices
 }
 
 

@@ -194,10 +194,10 @@ def run_case(label: str, grads, entries, reps: int, workers: int = 8, out=sys.st
   for name, base, kwargs in entries:
     copy_s = time_copy(grads, reps)
     try:
-      tx = jaxcomp.METHODS[base](axis_name=None, **kwargs)
+      tx = jaxcomp.steady(jaxcomp.METHODS[base](axis_name=None, **kwargs))  # after any warm-up
       compile_s = compile_seconds(tx, grads)
       t = time_update(tx, grads, reps)
-      step = step_memory(jaxcomp.METHODS[base](axis_name="data", **kwargs), shapes, workers)
+      step = step_memory(jaxcomp.steady(jaxcomp.METHODS[base](axis_name="data", **kwargs)), shapes, workers)
     except Exception as e:  # noqa: BLE001 - a method that cannot run here is reported, not fatal
       print(f"{name:<15} {_kw_text(kwargs):<24} failed: {type(e).__name__}: {str(e)[:80]}", file=out)
       results.append({"method": name, "case": label, "error": repr(e)})

@@ -139,7 +139,7 @@ def _agreement(measured: int, whole_nominal: int, factory, kwargs: dict, parts) 
     return "yes"
   if measured == 2 * whole_nominal:
     return "bf16->f32"
-  tx = factory(axis_name="data", **kwargs)
+  tx = jaxcomp.steady(factory(axis_name="data", **kwargs))  # after any warm-up
   per_part = sum(int(jaxcomp.wire_bytes(tx, shp.abstract(p))) for p in parts)
   flags = _flag_bytes(tx, shp.abstract(parts[0])) * (len(parts) - 1)
   if measured in (per_part, per_part - flags):
@@ -167,7 +167,7 @@ def measure_traffic(factory, kwargs: dict, parts, workers: int = 8) -> dict:
   from jaxcomp import netsim
   from jaxcomp.bench import shapes as shp
 
-  tx = factory(axis_name="data", **kwargs)
+  tx = jaxcomp.steady(factory(axis_name="data", **kwargs))  # after any warm-up
   lead = lambda s: jax.ShapeDtypeStruct((workers,) + tuple(s.shape), s.dtype)
   step = jax.pmap(lambda g, s: tx.update(g, s), axis_name="data", devices=jax.devices()[:workers])
   entries, flag_seen = [], False
@@ -222,7 +222,7 @@ def measure_decode(factory, kwargs: dict, parts, reps: int, workers: int = 4) ->
   saved = ops._gather_invariant
   ops._gather_invariant = None
   try:
-    tx = factory(axis_name="data", **kwargs)
+    tx = jaxcomp.steady(factory(axis_name="data", **kwargs))  # after any warm-up
     total = 0.0
     for i, part in enumerate(parts):
       per_worker = {}
@@ -424,6 +424,10 @@ def main(argv=None) -> None:
         print(f"{label:<14} " + " ".join(cells))
   if cache.hits:
     print(f"\n({cache.hits} measurements read from the cache {args.cache}; --remeasure to redo them)")
+  from jaxcomp.bench import twolevel  # compressing between nodes only (dense_axis_name)
+
+  print("\nTwo levels (python -m jaxcomp.bench twolevel):\n")
+  print(twolevel.table(tuple(models), latency_us=args.latency_us))
 
 
 if __name__ == "__main__":

@@ -15,11 +15,14 @@ def table(momentum: float = 0.9) -> str:
       "own": "chain(method, sgd(lr))",
       "after": "chain(sgd(lr, momentum=m), method)",
   }
-  rows = ["| method | recipe (m = %g) | lr | settings | why |" % momentum, "|---|---|---|---|---|"]
+  rows = ["| method | recipe (m = %g) | lr | settings | warm-up | why |" % momentum,
+          "|---|---|---|---|---|---|"]
   for name, r in RECIPES.items():
     settings = ", ".join(f"{k}={v!r}" for k, v in r.method_kwargs) or "defaults"
     lr = "lr" if r.lr_scale == 1.0 else f"{r.lr_scale:g} x lr"
-    rows.append(f"| `{name}` | `{chains[r.kind]}` | {lr} | {settings} | {r.why} |")
+    warm = [f"dense to step {r.start_step}"] if r.start_step else []
+    warm += [f"ratio_warmup over {r.warmup_steps} steps"] if r.warmup_steps else []
+    rows.append(f"| `{name}` | `{chains[r.kind]}` | {lr} | {settings} | {', '.join(warm) or '-'} | {r.why} |")
   return "\n".join(rows)
 
 

@@ -1,6 +1,10 @@
 """The training benchmark: every method in ``jaxcomp.METHODS`` on one testbed.
 
-``python -m jaxcomp.bench [--quick] [--methods a,b] [--steps N] [--out DIR] [--seed S]``
+``python -m jaxcomp.bench [--quick] [--tune] [--methods a,b] [--steps N] [--out DIR] [--seed S]``
+
+``--tune`` trains every method again at its learning rate times each of
+:data:`TUNE_SCALES` and prints a second table with the best beside the
+default, so that a method's loss is never just an untuned learning rate.
 
 GRACE's point was a consistent evaluation; this is it for jaxcomp. Each
 method, at its default settings (``METHODS[name](axis_name="data")``), trains
@@ -65,6 +69,9 @@ LR_SCALE = {"signsgd": 0.002, "signum": 0.02}
 # moves it by up to 10 lr, so its scale is 10x signsgd's.
 MOMENTUM = 0.9
 MOMENTUM_OVERRIDE = {"dgc": 0.0, "signum": 0.0}
+# --tune: the learning rate of each method's chain times these (1.0 is the table's run), so that a
+# method's loss is never just an untuned learning rate.
+TUNE_SCALES = (0.25, 0.5, 1.0, 2.0, 4.0)
 NETWORK_GBPS = (1, 10, 100)
 NETWORK_WORKERS = (8, 32)
 
@@ -80,6 +87,9 @@ class Result:
   wire_bytes: int = -1
   nominal_bytes: int = -1
   collectives: int = -1
+  mean_bytes: float = -1.0  # with a warm-up: nominal bytes per step averaged over the run
+  sync_every: int = 1  # steps per communication (SBC's delay): wire_bytes are a sync step's
+  warmup_steps: int = 0  # the step from which the steady state (the wire_bytes above) runs
   step_seconds: float = float("nan")
   compile_seconds: float = float("nan")
   train_seconds: float = float("nan")
@@ -111,6 +121,10 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--plain", action="store_true",
                  help="chain(method, sgd(lr, momentum)) at each method's defaults instead of its"
                       " jaxcomp.recipe (LR_SCALE and MOMENTUM_OVERRIDE as before the recipes)")
+  p.add_argument("--tune", action="store_true",
+                 help="also train every method at its learning rate times "
+                      f"{', '.join(f'{x:g}' for x in TUNE_SCALES if x != 1.0)} and print the best beside"
+                      " the default (a second table, tune.md)")
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
   p.add_argument("--replot", action="store_true",
                  help="only redraw the figures from OUT/results.json (no training)")
@@ -163,7 +177,8 @@ def _predict(netsim, r: Result, dense: Result, latency: float) -> Dict[str, floa
 
 
 def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args, net,
-                progress: bool) -> Result:
+                progress: bool, base_lr: Optional[float] = None) -> Result:
+  """Trains ``name`` for ``args.steps``; ``base_lr``: the recipe's dense learning rate (``args.lr``)."""
   import jax
   import numpy as np
   import optax
@@ -177,7 +192,7 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
     tx = optax.chain(comp, optax.sgd(lr, momentum=momentum or None))
   else:  # the method's recipe in place of sgd(lr, momentum)
     comp = jaxcomp.recipe_method(name, axis_name="data", momentum=MOMENTUM)
-    tx = jaxcomp.recipe(name, args.lr, axis_name="data", momentum=MOMENTUM)
+    tx = jaxcomp.recipe(name, args.lr if base_lr is None else base_lr, axis_name="data", momentum=MOMENTUM)
 
   def step(p, s, x, y):
     loss, g = jax.value_and_grad(model.loss_fn)(p, net, x, y)
@@ -191,11 +206,23 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   t0 = time.perf_counter()
   compiled = jax.pmap(step, axis_name="data", donate_argnums=(0, 1)).lower(P, S, x0, y0).compile()
   res.compile_seconds = time.perf_counter() - t0
-  wire = jaxcomp.collective_bytes(compiled.as_text())
+  hlo = compiled.as_text()
+  method = getattr(comp, "method", None)
+  if method is not None and (method.stages or method.start_step):
+    # The program holds every stage's collectives (one lax.switch); the bytes and the network
+    # model are the steady state's: the last stage compiled alone (the step has no other collectives).
+    steady = jaxcomp.steady(comp)
+    hlo = jax.pmap(lambda g, s: steady.update(g, s)[0], axis_name="data").lower(
+        P, jaxcomp.per_worker(steady.init(params), WORKERS)).compile().as_text()
+    res.mean_bytes = float(np.mean([jaxcomp.wire_bytes(comp, params, step=t) for t in range(args.steps)]))
+    res.warmup_steps = max([method.start_step] + [first for first, _ in method.stages])
+  wire = jaxcomp.collective_bytes(hlo)
   res.wire_bytes, res.collectives = wire["total"], wire["count"]
+  if method is not None:  # SBC's communication delay: one sync every `delay` steps
+    res.sync_every = max([int(getattr(b.exchange, "delay", 1)) for b in method.buckets(params)] + [1])
   netsim = _netsim()
   if netsim is not None:
-    res.traffic = [list(t) for t in netsim.collectives(compiled.as_text())]
+    res.traffic = [list(t) for t in netsim.collectives(hlo)]
   try:
     res.nominal_bytes = int(jaxcomp.wire_bytes(comp, params))
   except TypeError:
@@ -238,6 +265,52 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   return res
 
 
+def _tune(names, methods, results, params, ds, args, net, progress) -> Dict[str, Dict[float, Result]]:
+  """Every method again at its learning rate times each of :data:`TUNE_SCALES` (1.0: the table's run)."""
+  tuned: Dict[str, Dict[float, Result]] = {}
+  for r0 in results:
+    if r0.error:
+      continue
+    runs = {1.0: r0}
+    for scale in TUNE_SCALES:
+      if scale == 1.0:
+        continue
+      try:
+        r = _run_method(r0.method, methods[r0.method], r0.lr * scale, r0.momentum, params, ds, args, net,
+                        progress, base_lr=args.lr * scale)
+      except Exception as e:  # noqa: BLE001 -- one broken run must not stop the others
+        r = Result(r0.method, r0.lr * scale, r0.momentum, error=f"{type(e).__name__}: {e}")
+      runs[scale] = r
+      print(f"{r0.method:>12} lr x{scale:g}: acc {100 * r.test_accuracy:5.1f}%", flush=True)
+    tuned[r0.method] = runs
+  return tuned
+
+
+def tune_table(results: List[Result], tuned: Dict[str, Dict[float, Result]]) -> str:
+  """Markdown: each method's accuracy at every learning-rate scale, the best beside the default."""
+  dense = tuned.get("none", {}).get(1.0)
+  head = (["method", "lr"] + [f"x{s:g}" for s in TUNE_SCALES] + ["best x", "best acc %", "default acc %"]
+          + (["best vs dense"] if dense else []))
+  rows = []
+  for name, runs in tuned.items():
+    ok = {s: r for s, r in runs.items() if not r.error and math.isfinite(r.test_accuracy)}
+    best = max(ok, key=lambda s: (ok[s].test_accuracy, -abs(math.log(s)))) if ok else None
+    row = [name, f"{runs[1.0].lr:g}"] + [
+        f"{100 * runs[s].test_accuracy:.1f}" if s in ok else "err" for s in TUNE_SCALES]
+    row += [f"{best:g}" if best else "-", f"{100 * ok[best].test_accuracy:.1f}" if best else "-",
+            f"{100 * runs[1.0].test_accuracy:.1f}"]
+    if dense:
+      best_dense = max(r.test_accuracy for r in tuned["none"].values() if not r.error)
+      row.append(f"{100 * (ok[best].test_accuracy - best_dense):+.1f}" if best else "-")
+    rows.append(row)
+  lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  lines.append("")
+  lines.append("x<s>: test accuracy % with the method's learning rate (the lr column) times s, same steps,"
+               " seed and data; best vs dense: the best against dense's best.")
+  return "\n".join(lines)
+
+
 def _note(r: Result, dense: Optional[Result]) -> str:
   if r.error:
     return "failed: " + r.error.splitlines()[-1][:80]
@@ -249,7 +322,13 @@ def _note(r: Result, dense: Optional[Result]) -> str:
   if (dense is not None and r is not dense and math.isfinite(r.test_accuracy)
       and r.test_accuracy < dense.test_accuracy - 0.01):
     notes.append(f"> 1 pt below dense ({100 * (r.test_accuracy - dense.test_accuracy):+.1f})")
-  if not r.replicas_equal:
+  if r.sync_every > 1:
+    notes.append(f"syncs every {r.sync_every} steps: {r.wire_bytes / r.sync_every:,.0f} B/step")
+  if r.warmup_steps:
+    notes.append(f"warm-up to step {r.warmup_steps}: {r.mean_bytes:,.0f} B/step over the run")
+  if not r.replicas_equal and r.sync_every > 1 and len(r.losses) % r.sync_every:
+    notes.append(f"ended between syncs: replicas differ until step {r.sync_every} divides the steps")
+  elif not r.replicas_equal:
     notes.append("replicas differ")
   if r.nominal_bytes >= 0 and r.wire_bytes != r.nominal_bytes:
     notes.append(f"HLO bytes != nominal {r.nominal_bytes}")
@@ -271,7 +350,7 @@ def table(results: List[Result], predicted_cols: List[str]) -> str:
     if r.error:
       rows.append([r.method, f"{r.lr:g} ({r.momentum:g})"] + ["-"] * (len(head) - 3) + [_note(r, dense)])
       continue
-    ratio = f"{dense.wire_bytes / r.wire_bytes:.1f}x" if dense and r.wire_bytes > 0 else "-"
+    ratio = f"{dense.wire_bytes * r.sync_every / r.wire_bytes:.1f}x" if dense and r.wire_bytes > 0 else "-"
     speed = f"{r.step_seconds / dense.step_seconds:.2f}" if dense else "-"
     row = [r.method, f"{r.lr:g} ({r.momentum:g})", f"{100 * r.test_accuracy:.1f}", f"{r.final_loss:.4f}",
            _fmt_bytes(r.wire_bytes), ratio, speed]
@@ -408,6 +487,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
       print(f"{name:>12}: acc {100 * r.test_accuracy:5.1f}%  loss {r.final_loss:.4f}  "
             f"{r.wire_bytes:>9,} B/step  {1e3 * r.step_seconds:6.1f} ms/step  "
             f"(compile {r.compile_seconds:.1f} s)", flush=True)
+  tuned = _tune(names, methods, results, params, ds, args, net, progress) if args.tune else {}
   total = time.perf_counter() - t_all
 
   dense = next((r for r in results if r.method == "none" and not r.error), None)
@@ -426,8 +506,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
   print()
   print(md)
   notes = [
-      "wire B/step: bytes one worker hands to collectives per step, read from the compiled step's HLO;"
-      " vs dense: dense bytes / these. step time / dense: median over blocks of"
+      "wire B/step: bytes one worker hands to collectives per step, read from the compiled step's HLO"
+      " (after a warm-up: the last stage's, compiled alone; with a communication delay: a sync step's);"
+      " vs dense: dense bytes per step / these per step (a sync step's spread over its steps)."
+      " step time / dense: median over blocks of"
       f" {BLOCK_EVERY} steps, {WORKERS} workers sharing {os.cpu_count()} CPU cores, same process.",
       f"note: flags a test accuracy more than 1 point below dense after the same {args.steps} steps.",
   ]
@@ -439,6 +521,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
   else:
     notes.append("no network model: jaxcomp.netsim is not available, so bytes alone.")
   print("\n" + "\n".join(notes))
+  tune_md = tune_table(results, tuned) if tuned else ""
+  if tune_md:
+    print("\n" + tune_md)
   print(f"\ntotal {total:.0f} s")
 
   os.makedirs(args.out, exist_ok=True)
@@ -453,13 +538,18 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
       "latency_us": args.latency_us,
   }
   with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1,
-              allow_nan=True)
+    json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results],
+               "tune": {m: {f"{k:g}": dataclasses.asdict(r) for k, r in runs.items()}
+                        for m, runs in tuned.items()}}, f, indent=1, allow_nan=True)
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write(f"{date}: `{cmd.strip()}` ({ds.name}, {args.steps} steps, {WORKERS} workers,"
             f" {os.cpu_count()} CPU cores, jax {jax.__version__})\n\n{md}\n\n" + "\n".join(notes) + "\n")
-  paths = _figures(results, args.out, args.steps)
-  written = [os.path.join(args.out, f) for f in ("results.json", "results.md")] + paths
+  written = [os.path.join(args.out, f) for f in ("results.json", "results.md")]
+  if tune_md:
+    with open(os.path.join(args.out, "tune.md"), "w") as f:
+      f.write(f"{date}: `{cmd.strip()}` ({ds.name}, {args.steps} steps)\n\n{tune_md}\n")
+    written.append(os.path.join(args.out, "tune.md"))
+  written += _figures(results, args.out, args.steps)
   print(f"wrote {', '.join(written)}")
   return results
 

@@ -20,8 +20,8 @@ class Axis(NamedTuple):
   index: jax.Array  # int32 scalar, traced
 
 
-def check_axis_name(axis_name: AxisName) -> AxisName:
-  """Validates ``axis_name`` at construction: None, a hashable, or a tuple of them."""
+def check_axis_name(axis_name: AxisName, arg: str = "axis_name") -> AxisName:
+  """Validates ``axis_name`` at construction: None, a hashable, or a tuple of them (``arg``: its argument's name)."""
   if axis_name is None:
     return None
   if isinstance(axis_name, list):
@@ -29,14 +29,14 @@ def check_axis_name(axis_name: AxisName) -> AxisName:
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   if any(isinstance(a, (int, np.integer)) for a in names):  # bool too
     raise TypeError(
-        "axis_name must be None, a name such as 'data', or a tuple of names, not an int"
-        f" (JAX reads an int in a collective as a positional array axis); got axis_name={axis_name!r}")
+        f"{arg} must be None, a name such as 'data', or a tuple of names, not an int"
+        f" (JAX reads an int in a collective as a positional array axis); got {arg}={axis_name!r}")
   try:
     hash(axis_name)
   except TypeError as e:
     raise TypeError(
-        "axis_name must be None, a hashable mesh/pmap axis name, or a tuple of"
-        f" them; got axis_name={axis_name!r}") from e
+        f"{arg} must be None, a hashable mesh/pmap axis name, or a tuple of"
+        f" them; got {arg}={axis_name!r}") from e
   return axis_name
 
 

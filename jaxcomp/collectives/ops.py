@@ -37,3 +37,46 @@ def allgather(tree: Any, axis: Axis) -> Any:
   if _gather_invariant is not None:
     return _gather_invariant(tree, axis.name)
   return lax.all_gather(tree, axis.name)
+
+
+def allgather_tiled(x: jax.Array, axis: Axis) -> jax.Array:
+  """Every worker's ``x`` concatenated on axis 0 (typed invariant where this JAX can)."""
+  if axis.name is None:
+    return x
+  if _gather_invariant is not None:
+    return _gather_invariant(x, axis.name, axis=0, tiled=True)
+  return lax.all_gather(x, axis.name, axis=0, tiled=True)
+
+
+def varying(tree: Any, axis: Axis) -> Any:
+  """``tree`` typed as varying over the axis (under ``shard_map`` with ``check_vma``; a no-op value-wise).
+
+  The branches of a ``lax.switch`` must agree on it: a dense warm-up's psum is
+  invariant where a compressed exchange's mean may be varying.
+  """
+  if axis.name is None:
+    return tree
+  names = axis.name if isinstance(axis.name, tuple) else (axis.name,)
+
+  def one(x):
+    have = _varying_axes(x)
+    if have is None:  # no varying-axes typing here (pmap, or an older JAX)
+      return x
+    missing = tuple(n for n in names if n not in have)
+    if not missing:
+      return x
+    if hasattr(lax, "pcast"):
+      return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # pragma: no cover - JAX before pcast
+
+  return jax.tree.map(one, tree)
+
+
+def _varying_axes(x):
+  """The axes ``x`` varies over (``vma`` before JAX 0.10, ``manual_axis_type.varying`` since), or None."""
+  if not hasattr(jax, "typeof"):  # pragma: no cover - JAX before typeof
+    return None
+  aval = jax.typeof(x)
+  if hasattr(aval, "manual_axis_type"):
+    return aval.manual_axis_type.varying
+  return getattr(aval, "vma", None)

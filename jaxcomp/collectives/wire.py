@@ -54,12 +54,15 @@ def collective_bytes(hlo_text: str) -> Dict[str, Any]:
   """Bytes per participant moved by each kind of collective in ``hlo_text``.
 
   Returns a dict with one entry per collective kind (bytes), ``"total"`` and
-  ``"count"`` (number of collective instructions). All-reduce: its buffer;
+  ``"count"`` (number of collective instructions), and ``"by_group_size"``
+  (bytes per replica-group size: on a mesh of two axes of different sizes,
+  the bytes per axis). All-reduce: its buffer;
   all-gather: the result divided by the group size (what each worker sends);
   reduce-scatter: the result times the group size; the others: their result.
   ``-start`` / ``-done`` pairs are counted once.
   """
   out: Dict[str, Any] = {op: 0 for op in _OPS}
+  by_group: Dict[int, float] = {}
   count = 0
   for line in hlo_text.splitlines():
     m = _INSTR.search(line)
@@ -76,10 +79,12 @@ def collective_bytes(hlo_text: str) -> Dict[str, Any]:
     elif op == "reduce-scatter":
       nbytes = nbytes * g
     out[op] += nbytes
+    by_group[g] = by_group.get(g, 0) + nbytes
     count += 1
   out = {k: int(v) for k, v in out.items()}
   out["total"] = sum(out[op] for op in _OPS)
   out["count"] = count
+  out["by_group_size"] = {g: int(v) for g, v in sorted(by_group.items())}
   return out
 
 

@@ -247,7 +247,7 @@ class ACPFusion(FusedExchange):
 
 def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None = None,
            min_compression_rate: float = 2.0, seed: int = 0, balance_phases: bool = True,
-           min_size: int | None = None, dense=None):
+           min_size: int | None = None, dense=None, dense_axis_name=None):
   """ACP-SGD: PowerSGD's two factors sent on alternate steps, all layers in one all-reduce.
 
   Each leaf of rank >= 2 is viewed as a matrix M (``lowrank.matrix_view``:
@@ -320,7 +320,7 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
     return DENSE, (n,)
 
   method = Method("acpsgd", route, Memory(), fused=ACPFusion(bucket_bytes, balance))
-  return build(method, axis_name, seed, min_size=min_size, dense=dense)
+  return build(method, axis_name, seed, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
 
 
 def phases(tx, params) -> Sequence[tuple[int, int]]:

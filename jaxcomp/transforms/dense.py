@@ -11,7 +11,7 @@ from jaxcomp.transforms import _args
 from jaxcomp.core import DENSE, Codec, CodecExchange, Memory, Method, build, flat_route
 
 
-def none(axis_name: AxisName = None, bucket_bytes: int | None = None):
+def none(axis_name: AxisName = None, bucket_bytes: int | None = None, dense_axis_name: AxisName = None):
   """No compression: the mean over ``axis_name`` in float32 (``lax.pmean``).
 
   The baseline every method is compared with: 4 bytes per element on the wire.
@@ -20,7 +20,8 @@ def none(axis_name: AxisName = None, bucket_bytes: int | None = None):
     Xu et al., *GRACE: A Compressed Communication Framework for Distributed
     Machine Learning*, ICDCS 2021 (the "none" compressor, Sec. 3).
   """
-  return build(Method("none", flat_route(DENSE), Memory(enabled=False)), axis_name, bucket_bytes=bucket_bytes)
+  return build(Method("none", flat_route(DENSE), Memory(enabled=False)), axis_name, bucket_bytes=bucket_bytes,
+               dense_axis_name=dense_axis_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +39,15 @@ class CastCodec(Codec):
     return payload.astype(jnp.float32)
 
 
-def _cast(name: str, dtype: str, axis_name: AxisName, error_feedback: bool, bucket_bytes, min_size, dense):
+def _cast(name: str, dtype: str, axis_name: AxisName, error_feedback: bool, bucket_bytes, min_size, dense,
+          dense_axis_name=None):
   ef = _args.flag("error_feedback", error_feedback)
   return build(Method(name, flat_route(CodecExchange(CastCodec(dtype))), Memory(enabled=ef)), axis_name,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
 
 
 def fp16(axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes: int | None = None,
-         min_size: int | None = None, dense=None):
+         min_size: int | None = None, dense=None, dense_axis_name=None):
   """Half-precision allreduce: 2 bytes per element.
 
   Each worker divides by the number of workers before the cast, so the psum in
@@ -56,14 +58,16 @@ def fp16(axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes:
     Micikevicius et al., *Mixed Precision Training*, ICLR 2018; GRACE (Xu et
     al., 2021) lists it as the simplest quantizer.
   """
-  return _cast("fp16", "float16", axis_name, error_feedback, bucket_bytes, min_size, dense)
+  return _cast("fp16", "float16", axis_name, error_feedback, bucket_bytes, min_size, dense,
+               dense_axis_name)
 
 
 def bf16(axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes: int | None = None,
-         min_size: int | None = None, dense=None):
+         min_size: int | None = None, dense=None, dense_axis_name=None):
   """bfloat16 allreduce: 2 bytes per element, float32's range, 8 mantissa bits.
 
   References:
     Kalamkar et al., *A Study of BFLOAT16 for Deep Learning Training*, 2019.
   """
-  return _cast("bf16", "bfloat16", axis_name, error_feedback, bucket_bytes, min_size, dense)
+  return _cast("bf16", "bfloat16", axis_name, error_feedback, bucket_bytes, min_size, dense,
+               dense_axis_name)

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName, current_axis
-from jaxcomp.core import DENSE, Ctx, Exchange, Memory, Method, build, flat_route
+from jaxcomp.core import DENSE, Ctx, Exchange, Memory, Method, build, flat_route, staged
 from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.threshold import (
@@ -200,7 +200,7 @@ class DGCExchange(Exchange):
 def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: float = 0.9,
         sample_ratio: float = 0.01, warmup_steps: int | None = None, max_ratio: float | None = None,
         clip_norm: float | None = CLIP_NORM, seed: int = 0, bucket_bytes: int | None = None,
-        min_size: int | None = None, dense=None):
+        min_size: int | None = None, dense=None, dense_axis_name=None):
   """Deep Gradient Compression: momentum correction, factor masking, local clipping, warm-up.
 
   The defaults are the paper's method, all four parts on: local gradient
@@ -232,12 +232,14 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
   (the narrowest integer dtype for the bucket) plus one int32 count per
   bucket, all-gathered once per bucket. Entries past a leaf's ``cap`` (only
   when the adjustments do not bring the count under 1.3 k; those sent are
-  the first in circular order from a random offset) stay in v and u. During
-  a warm-up the capacity holds the densest stage (``max_ratio = 0.25``), so
-  the payload is that large for the whole run (about 2 bytes per entry with
-  uint16 positions): to shrink it after the warm-up, build a second ``dgc``
-  with ``warmup_steps=0`` and switch to it; the state (``u``, ``v``) carries
-  over unchanged.
+  the first in circular order from a random offset) stay in v and u. The
+  warm-up is a schedule of stages (:func:`jaxcomp.ratio_warmup`, built on
+  :func:`jaxcomp.staged`): each stage has the payload of its own density, so
+  the bytes shrink as the warm-up goes on; one compiled program holds every
+  stage, and ``u``, ``v`` carry over from stage to stage.
+  :func:`jaxcomp.wire_bytes` gives the bytes after the warm-up (``step=``
+  for a warm-up step's). A ratio schedule (a callable) is traced instead:
+  its payload is sized for ``max_ratio`` at every step.
 
   Args:
     ratio: density sent, in (0, 1] (DGC: 0.001; GRACE's code defaults to 0.3),
@@ -250,7 +252,7 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
       GRACE: 0.01).
     warmup_steps: with a float ratio, DGC's exponential warm-up of sparsity
       (75%, 93.75%, 98.4375%, 99.6%, then ``1 - ratio``) over this many steps
-      (:func:`warmup_schedule`, four equal stages). None (default) means
+      (:func:`jaxcomp.warmup_stages`, four equal stages). None (default) means
       1000 steps with a float ratio (the paper warms up over 4 epochs: set 4
       epochs' worth of steps when you know them) and none with a schedule;
       0 disables it.
@@ -264,6 +266,8 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
     min_size: the bucket policy, see :func:`jaxcomp.build`.
     dense: the bucket policy, see :func:`jaxcomp.build`.
+    dense_axis_name: a fast axis averaged densely before the compressed exchange (see
+      :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
 
   References:
     Lin, Han, Mao, Wang & Dally, *Deep Gradient Compression: Reducing the
@@ -290,10 +294,12 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
     if max_ratio is not None:
       raise ValueError(f"max_ratio is only used with a schedule ratio; got max_ratio={max_ratio!r}"
                        f" with ratio={r!r}")
-    if w:
-      schedule, top = warmup_schedule(r, w), max(r, WARMUP_START)
-    else:
-      schedule, top = (lambda step: jnp.float32(r)), r
+    if w:  # DGC's exponential warm-up: stages of dgc at fixed densities, each its own payload
+      from jaxcomp.warmup import warmup_stages
+      return staged([(first, dgc(d, axis_name, m, sr, 0, None, clip, seed, bucket_bytes, min_size, dense,
+                                     dense_axis_name=dense_axis_name))
+                     for first, d in warmup_stages(r, w, start=WARMUP_START)])
+    schedule, top = (lambda step: jnp.float32(r)), r
   exchange = DGCExchange(schedule, top, sr)
   return build(Method("dgc", flat_route(exchange), DGCMemory(m, clip, axis_name)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)

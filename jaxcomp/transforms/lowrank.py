@@ -222,7 +222,7 @@ class PowerSGDExchange(Exchange):
 
 def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: float = 2.0,
              start_step: int = 0, error_feedback: bool = True, seed: int = 0,
-             bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
+             bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
   """PowerSGD: rank-``rank`` approximation of each matrix by one warm-started power step.
 
   Each leaf of rank >= 2 is viewed as a matrix M (:func:`matrix_view`) with
@@ -273,5 +273,6 @@ def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: fl
         return lowrank, (a, b)
     return DENSE, (n,)
 
-  return build(Method("powersgd", route, Memory(enabled=ef), start_step=start), axis_name, seed, bucket_bytes,
-               min_size, dense)
+  return build(Method("powersgd", route, Memory(enabled=ef), start_step=start, chunkable=False), axis_name,
+               seed, bucket_bytes,
+               min_size, dense, dense_axis_name=dense_axis_name)

@@ -59,7 +59,7 @@ class QSGDCodec(Codec):
 
 
 def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
-         bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
+         bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
   """QSGD: unbiased stochastic quantization to ``levels`` levels per sign.
 
   Each entry becomes ``sign(x) * l`` with ``l = floor(s |x| / ||x||_2 + u)``,
@@ -86,7 +86,7 @@ def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = F
   s = _args.integer("levels", levels, 1, 127)
   ef = _args.flag("error_feedback", error_feedback)
   return build(Method("qsgd", flat_route(CodecExchange(QSGDCodec(s))), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
 
 
 # ----------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class TernGradCodec(Codec):
 
 def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
              error_feedback: bool = False, seed: int = 0, bucket_bytes: int | None = None,
-             min_size: int | None = None, dense=None):
+             min_size: int | None = None, dense=None, dense_axis_name=None):
   """TernGrad: stochastic ternary gradients with a per-leaf scale.
 
   Each leaf is clipped to ``[-c sigma, c sigma]``; with ``s = max|clipped x|``
@@ -160,7 +160,7 @@ def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
   ef = _args.flag("error_feedback", error_feedback)
   codec = TernGradCodec(c)
   return build(Method("terngrad", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
 
 
 # ----------------------------------------------------------------------------
@@ -228,7 +228,7 @@ class NaturalCodec(Codec):
 
 
 def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
-            bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
+            bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
   """Natural compression: unbiased stochastic rounding to powers of two.
 
   ``|x|`` in ``[2**k, 2**(k+1))`` becomes ``2**k`` or ``2**(k+1)``, up with
@@ -271,7 +271,7 @@ def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = Fa
   ef = _args.flag("error_feedback", error_feedback)
   codec = NaturalCodec(int(bits))
   return build(Method("natural", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
 
 
 # ----------------------------------------------------------------------------
@@ -331,7 +331,7 @@ class U8bitCodec(Codec):
 
 
 def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
-          bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
+          bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
   """Dettmers' 8-bit approximation: a 128-entry table per sign plus the max.
 
   Each leaf is scaled by its largest magnitude ``s = max|x|``; ``|x| / s`` is
@@ -361,4 +361,4 @@ def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 
   """
   ef = _args.flag("error_feedback", error_feedback)
   return build(Method("u8bit", flat_route(CodecExchange(U8bitCodec())), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)

@@ -117,7 +117,7 @@ class RedSyncExchange(Exchange):
 
 def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bool = False,
             min_size: int | None = MIN_SIZE, momentum: float | None = None, axis_name: AxisName = None,
-            seed: int = 0, bucket_bytes: int | None = None, dense=None):
+            seed: int = 0, bucket_bytes: int | None = None, dense=None, dense_axis_name=None):
   """RedSync: residual gradient sparsification with sort-free selection, all-gathered.
 
   Each leaf of at least ``min_size`` entries sends about ``k = ceil(ratio * n)``
@@ -157,6 +157,8 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
     seed: seeds the state's key (unused by the selection).
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
     dense: the bucket policy, see :func:`jaxcomp.build`.
+    dense_axis_name: a fast axis averaged densely before the compressed exchange (see
+      :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
 
   References:
     Fang, Fu, Yang & Hsieh, *RedSync: Reducing Synchronization Traffic for
@@ -174,4 +176,4 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
   else:
     memory = MomentumCorrection(_args.unit_interval("momentum", momentum), masking=True)
   method = Method("redsync", flat_route(RedSyncExchange(r, sel, q)), memory)
-  return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=size, dense=dense)
+  return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=size, dense=dense, dense_axis_name=dense_axis_name)

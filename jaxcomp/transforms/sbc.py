@@ -250,7 +250,7 @@ class SBCExchange(Exchange):
 
 def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
         capacity: float | None = None, seed: int = 0, bucket_bytes: int | None = None,
-        min_size: int | None = None, dense=None):
+        min_size: int | None = None, dense=None, dense_axis_name=None):
   """Sparse Binary Compression: communication delay + binarized top-p + Golomb positions.
 
   Place it after the optimizer: its input is each worker's local parameter
@@ -336,4 +336,4 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
     capacity = _args.positive("capacity", capacity)
   exchange = SBCExchange(p, d, capacity)
   return build(Method("sbc", flat_route(exchange), Memory(enabled=False)), axis_name, seed,
-               bucket_bytes, min_size, dense)
+               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name)

@@ -88,7 +88,7 @@ class SignCodec(Codec):
 
 
 def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0, ties: str = "zero",
-            bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
+            bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
   """signSGD with majority vote: 1 bit per entry on the wire.
 
   Each worker sends the packed signs of its gradient (``x >= 0`` counts as +1);
@@ -124,7 +124,7 @@ def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int 
   ties = _args.choice("ties", ties, TIES)
   codec = SignCodec(scaled=ef, ties=ties)
   return build(Method("signsgd", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
 
 
 class ScaledSignCodec(Codec):
@@ -141,7 +141,7 @@ class ScaledSignCodec(Codec):
 
 
 def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
-              min_size: int | None = None, dense=None):
+              min_size: int | None = None, dense=None, dense_axis_name=None):
   """EF-signSGD: scaled signs with error feedback.
 
   Memory ``x = e + lr * g``; the payload is ``mean|x|`` of each leaf and the
@@ -161,7 +161,7 @@ def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket
   """
   g = _args.positive("lr", lr)
   return build(Method("efsignsgd", flat_route(CodecExchange(ScaledSignCodec())), Memory(gamma=g)),
-               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
 
 
 class MomentumMemory(Memory):
@@ -185,7 +185,7 @@ class MomentumMemory(Memory):
 
 
 def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, ties: str = "zero",
-           bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
+           bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
   """Signum: signSGD with local momentum, 1 bit per entry, majority vote.
 
   Each worker keeps ``m <- momentum * m + (1 - momentum) * g`` and sends the
@@ -211,7 +211,7 @@ def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, tie
   b = _args.unit_interval("momentum", momentum)
   ties = _args.choice("ties", ties, TIES)
   return build(Method("signum", flat_route(CodecExchange(SignCodec(ties=ties))), MomentumMemory(b)),
-               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
 
 
 class OneBitCodec(Codec):
@@ -237,7 +237,7 @@ class OneBitCodec(Codec):
 
 
 def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
-           bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
+           bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
   """1-bit SGD: one sign bit per entry and two reconstruction values, with error feedback.
 
   Each leaf is quantized to 1 bit per entry (``x >= 0`` or not), packed 8 per
@@ -261,4 +261,4 @@ def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 
   """
   ef = _args.flag("error_feedback", error_feedback)
   return build(Method("onebit", flat_route(CodecExchange(OneBitCodec())), Memory(enabled=ef)), axis_name,
-               seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)

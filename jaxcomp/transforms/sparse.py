@@ -183,7 +183,7 @@ class ChunkedTopKCodec(Codec):
 def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
          selection: str = "exact", positions: str = "chunk16", values: str = "float32",
          block: int | None = None, scope: str = "layer", bucket_bytes: int | None = None,
-         min_size: int | None = None, dense=None):
+         min_size: int | None = None, dense=None, dense_axis_name=None):
   """Top-k sparsification with error feedback (all-gather of values + positions).
 
   Each leaf (flattened, n entries) keeps its entries of largest magnitude;
@@ -245,7 +245,7 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
   else:
     codec = TopKCodec(r, pos, val, sc)
   return build(Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes, min_size, dense)
+               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name)
 
 
 # ----------------------------------------------------------------------------
@@ -297,7 +297,7 @@ class RandomKCodec(Codec):
 
 def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True,
             unbiased: bool = False, seed: int = 0, bucket_bytes: int | None = None,
-            min_size: int | None = None, dense=None):
+            min_size: int | None = None, dense=None, dense_axis_name=None):
   """Random-k sparsification; positions come from the shared key, values are psum-ed.
 
   Every worker draws the same positions from the state's key (split each
@@ -326,4 +326,4 @@ def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: boo
   ub = _args.flag("unbiased", unbiased)
   codec = RandomKCodec(r, ub)
   return build(Method("randomk", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes, min_size, dense)
+               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name)

@@ -267,7 +267,7 @@ class ThresholdCodec(Codec):
 
 def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None,
               error_feedback: bool = True, seed: int = 0, bucket_bytes: int | None = None,
-              min_size: int | None = None, dense=None):
+              min_size: int | None = None, dense=None, dense_axis_name=None):
   """Threshold sparsification: send the entries with ``|x| > v`` (a variable count).
 
   The count varies from step to step but a payload's shape cannot, so each
@@ -298,6 +298,8 @@ def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
     min_size: the bucket policy, see :func:`jaxcomp.build`.
     dense: the bucket policy, see :func:`jaxcomp.build`.
+    dense_axis_name: a fast axis averaged densely before the compressed exchange (see
+      :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
 
   References:
     Strom, *Scalable Distributed DNN Training Using Commodity GPU Cloud
@@ -309,7 +311,7 @@ def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None
   ef = _args.flag("error_feedback", error_feedback)
   codec = ThresholdCodec(v, cap)
   return build(Method("threshold", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
 
 
 # ----------------------------------------------------------------------------
@@ -413,7 +415,7 @@ class AdaQCodec(Codec):
 
 def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0.01,
          capacity: float | None = None, encoding: str = "auto", error_feedback: bool = True,
-         seed: int = 0, bucket_bytes: int | None = None, min_size: int | None = None, dense=None):
+         seed: int = 0, bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
   """Adaptive quantization: the top ``ratio`` of the positives and of the negatives, two means.
 
   Each leaf's positive entries and (separately) its negative entries are
@@ -452,6 +454,8 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
     min_size: the bucket policy, see :func:`jaxcomp.build`.
     dense: the bucket policy, see :func:`jaxcomp.build`.
+    dense_axis_name: a fast axis averaged densely before the compressed exchange (see
+      :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
 
   References:
     Dryden, Moon, Jacobs & Van Essen, *Communication Quantization for
@@ -464,4 +468,4 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
   ef = _args.flag("error_feedback", error_feedback)
   codec = AdaQCodec(r, sr, cap, enc)
   return build(Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
