@@ -27,3 +27,22 @@ import jaxcomp.layout  # noqa: E402
 
 DEFAULT_MIN_SIZE = jaxcomp.layout.MIN_SIZE
 jaxcomp.layout.MIN_SIZE = 1
+
+
+import gc  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops JAX's caches of traced and compiled programs after each test module.
+
+  One process compiles a few thousand programs over the suite; holding all of
+  them keeps growing XLA:CPU's memory (a compile late in an earlier CI run
+  crashed inside XLA). Modules share few programs, so little is recompiled.
+  """
+  yield
+  jax.clear_caches()
+  gc.collect()
