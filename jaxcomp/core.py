@@ -469,15 +469,15 @@ NONFINITE_FLAG_BYTES = 4  # one float32 all-reduced per step, see build()
 def _nan_if_nonfinite(vectors) -> jax.Array:
   """0.0 if every entry of ``vectors`` is finite, else NaN.
 
-  From the largest magnitude (a max propagates NaN and Inf, cannot overflow,
-  and fuses into the kernel that produces ``vectors``; a ``sum(x * 0)`` made
-  XLA:CPU materialise a bucket of zeros for its reduction library).
+  An AND-reduction of ``isfinite`` (it fuses into the kernel that produces
+  ``vectors``). Not a max of magnitudes: XLA:CPU's vectorised max-reduction
+  can drop a NaN that sits among equal values, and the step would pass as finite.
   """
-  largest = jnp.zeros((), jnp.float32)
+  ok = jnp.ones((), jnp.bool_)
   for v in vectors:
     if v.size:
-      largest = jnp.maximum(largest, jnp.max(jnp.abs(v.astype(jnp.float32))))
-  return jnp.where(jnp.isfinite(largest), 0.0, jnp.nan).astype(jnp.float32)
+      ok = ok & jnp.all(jnp.isfinite(v))
+  return jnp.where(ok, 0.0, jnp.nan).astype(jnp.float32)
 
 
 def _exchange_all(method: Method, buckets, x, extras, ctx: Ctx, params):
