@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp import hierarchy, layout
+from jaxcomp import hierarchy, layout, scatter
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import Axis, AxisName, check_axis_name, current_axis
 
@@ -345,7 +345,7 @@ class Method:
   ``stages``: ``(first step, route)`` of each later stage of a schedule (see
   :func:`staged`); ``route`` is the first stage's. Every stage lays the
   leaves out alike, so the memory and the exchanges' state carry over.
-  ``bucket_bytes``, ``min_size``, ``dense``: see :func:`build`.
+  ``bucket_bytes``, ``min_size``, ``dense``, ``exchange``: see :func:`build`.
   """
 
   name: str
@@ -358,6 +358,7 @@ class Method:
   bucket_bytes: int = layout.BUCKET_BYTES
   min_size: int | None = None
   dense: Any = None
+  exchange: str = "gather"
 
   def buckets(self, updates: Any, stage: int = 0) -> Tuple[layout.Bucket, ...]:
     """The bucket layout of a gradient tree (static: shapes and the dense mask only).
@@ -391,14 +392,16 @@ class Method:
         out.append((b.exchange, view, [b.leaves[s] for s in idx]))
     return out
 
-  def wire_bytes(self, params: Any, nonfinite_flag: bool = True, step: int | None = None) -> int:
+  def wire_bytes(self, params: Any, nonfinite_flag: bool = True, step: int | None = None,
+                 workers: int | None = None) -> int:
     """Nominal bytes one worker hands to collectives per step for ``params``.
 
     ``nonfinite_flag``: count the float32 that tells every worker about a
     non-finite step (see :func:`build`); it is sent only over an axis, and
     only when some bucket's exchange does not carry NaN/Inf by itself.
     ``step``: the bytes of the step ``step`` (its stage, or the dense
-    warm-up); None, the last stage's (the steady state).
+    warm-up); None, the last stage's (the steady state). ``workers``: the
+    number of workers, needed by ``exchange="scatter"`` (its chunks are 1/N).
     """
     stage = len(self.stages) if step is None else self.stage_at(step)
     buckets = self.buckets(params, stage or 0)
@@ -408,8 +411,36 @@ class Method:
     if self.fused is not None:
       payload = self.fused.wire_bytes(self.plan(jax.tree.leaves(params)))
     else:
-      payload = sum(b.exchange.bucket_wire_bytes(b.segments) for b in buckets)
+      payload = sum(bucket_wire_bytes(b.exchange, b.segments, workers) for b in buckets)
     return payload + (NONFINITE_FLAG_BYTES if flag else 0)
+
+
+def bucket_wire_bytes(exchange, segs, workers: int | None) -> int:
+  """An exchange's bytes for one bucket (``workers`` for those that need it: the scatter exchange)."""
+  if getattr(exchange, "needs_workers", False):
+    return exchange.bucket_wire_bytes(segs, workers)
+  return exchange.bucket_wire_bytes(segs)
+
+
+def _with_exchange(method: Method, exchange: str | None) -> Method:
+  """``method`` with the gathered exchanges in the form ``exchange`` names ("gather" or "scatter")."""
+  if exchange is None or exchange == method.exchange:
+    return method
+  if exchange not in scatter.EXCHANGES:
+    raise ValueError(f"exchange must be one of {scatter.EXCHANGES}, got exchange={exchange!r}")
+  if exchange == "gather":
+    unwrap = lambda r: r.route if isinstance(r, scatter.ScatterRoute) else r  # noqa: E731
+    return dataclasses.replace(method, route=unwrap(method.route), exchange="gather",
+                               stages=tuple((f, unwrap(r)) for f, r in method.stages))
+  if method.fused is not None:
+    raise ValueError(f"exchange='scatter' is not available for {method.name}: its fused exchange"
+                     " all-reduces every layer's factors already; use exchange='gather'")
+  for route in [method.route] + [r for _, r in method.stages]:
+    for shape in ((1 << 14,), (128, 128), (3, 3, 64, 64)):  # the exchanges of a typical model's leaves
+      scatter.scatter_form(route(shape)[0], method.name)  # raises where there is no scatter form
+  wrap = lambda r: scatter.ScatterRoute(r, method.name)  # noqa: E731
+  return dataclasses.replace(method, route=wrap(method.route), exchange="scatter",
+                             stages=tuple((f, wrap(r)) for f, r in method.stages))
 
 
 def _carries_nonfinite(method: Method, updates) -> bool:
@@ -545,7 +576,7 @@ def _positive_int(name, value, low):
 
 def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
           min_size: int | None = None, dense: Any = None,
-          dense_axis_name: AxisName = None) -> CompressionTransformation:
+          dense_axis_name: AxisName = None, exchange: str | None = None) -> CompressionTransformation:
   """Assembles ``method`` into an optax transformation communicating over ``axis_name``.
 
   Args:
@@ -564,6 +595,11 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
       :mod:`jaxcomp.hierarchy`; None (default): compress over ``axis_name`` alone.
       With it, call ``tx.init`` inside the mesh too: each worker's state
       holds its chunk of every bucket.
+    exchange: how gathered payloads travel: ``"gather"`` (an all-gather of
+      every worker's payload; bytes received grow with N) or ``"scatter"``
+      (an all-to-all of 1/N chunks, a float32 reduce per chunk, an all-gather
+      of the re-compressed chunks; bytes flat in N), see
+      :mod:`jaxcomp.scatter`. None keeps the method's (``"gather"``).
 
   Returns:
     A :class:`CompressionTransformation`; its ``update`` returns the mean over
@@ -607,6 +643,9 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
     if not flags or not all(isinstance(f, (bool, np.bool_)) for f in flags):
       raise ValueError("dense must be None, a pytree of bools like the gradients (an optax-style"
                        f" mask) or a callable returning one, got dense={dense!r}")
+  if exchange is not None and not isinstance(exchange, str):
+    raise ValueError(f"exchange must be one of {scatter.EXCHANGES}, got exchange={exchange!r}")
+  method = _with_exchange(method, exchange)
   method = dataclasses.replace(
       method, bucket_bytes=method.bucket_bytes if bucket_bytes is None else bucket_bytes,
       min_size=method.min_size if min_size is None else min_size,
@@ -703,6 +742,7 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
   tx.method = method
   tx.axis_name = axis_name
   tx.dense_axis_name = dense_axis_name
+  tx.exchange = method.exchange
   tx.seed = int(seed)
   return tx
 
@@ -736,7 +776,7 @@ def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: Ctx, params)
 
 
 def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None = None,
-              dense_axis_name: AxisName = None):
+              dense_axis_name: AxisName = None, exchange: str | None = None):
   """``tx`` rebuilt with another memory or a warm-up; every other setting kept.
 
   Args:
@@ -750,6 +790,8 @@ def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None =
       ``start_powerSGD_iter``); the program holds both paths, compiled once.
     dense_axis_name: a fast axis averaged densely first (see :func:`build`);
       None keeps the transformation's.
+    exchange: ``"gather"`` or ``"scatter"`` (see :func:`build`); None keeps
+      the transformation's.
 
   Returns:
     A new transformation; its state has the new memory's layout (call ``init`` again).
@@ -774,7 +816,7 @@ def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None =
     method = dataclasses.replace(method, start_step=int(start_step))
   if dense_axis_name is None:
     dense_axis_name = getattr(tx, "dense_axis_name", None)
-  return build(method, tx.axis_name, tx.seed, dense_axis_name=dense_axis_name)
+  return build(method, tx.axis_name, tx.seed, dense_axis_name=dense_axis_name, exchange=exchange)
 
 
 def staged(stages: Sequence[Tuple[int, Any]]) -> CompressionTransformation:
@@ -824,11 +866,12 @@ def staged(stages: Sequence[Tuple[int, Any]]) -> CompressionTransformation:
     same = (m.name == head.name and tx.axis_name == tx0.axis_name
             and getattr(tx, "dense_axis_name", None) == getattr(tx0, "dense_axis_name", None)
             and type(m.memory) is type(head.memory) and vars(m.memory) == vars(head.memory)
-            and (m.bucket_bytes, m.min_size) == (head.bucket_bytes, head.min_size))
+            and (m.bucket_bytes, m.min_size, m.exchange) == (head.bucket_bytes, head.min_size, head.exchange))
     if not same:
       raise ValueError(
           f"stages: the stage from step {f} ({m.name}) differs from the first ({head.name}) in the"
-          " method, axis_name, memory or bucket policy; only the method's other settings may change")
+          " method, axis_name, memory, exchange or bucket policy; only the method's other settings"
+          " may change")
   method = dataclasses.replace(head, stages=tuple((f, m.route) for f, m in zip(firsts[1:], methods[1:])))
   return build(method, tx0.axis_name, tx0.seed, dense_axis_name=getattr(tx0, "dense_axis_name", None))
 
@@ -854,7 +897,7 @@ def _guard_nonfinite(carried, x, mean, local, extra, state, axis, chunks=False):
   return mean, local, extra
 
 
-def wire_bytes(tx: Any, params: Any, step: int | None = None) -> int:
+def wire_bytes(tx: Any, params: Any, step: int | None = None, workers: int | None = None) -> int:
   """Nominal payload bytes one worker sends per step with ``tx`` for ``params``.
 
   For psum-ed payloads this is the all-reduce buffer; for gathered payloads,
@@ -862,14 +905,18 @@ def wire_bytes(tx: Any, params: Any, step: int | None = None) -> int:
   :func:`jaxcomp.collectives.wire.measure_wire_bytes` on the compiled step
   (a program with a warm-up or stages holds every stage's collectives).
   ``step``: the bytes at that step (a warm-up or an earlier stage); None,
-  the steady state (the last stage).
+  the steady state (the last stage). ``workers``: the number of workers N,
+  needed with ``exchange="scatter"``, whose worker hands N chunk payloads to
+  an all-to-all and one to an all-gather (each about 1/N of the bucket's).
   """
   method = getattr(tx, "method", None)
   if not isinstance(method, Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
   if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0):
     raise ValueError(f"step must be an int >= 0 or None, got step={step!r}")
-  return method.wire_bytes(params, nonfinite_flag=getattr(tx, "axis_name", None) is not None, step=step)
+  workers = _positive_int("workers", workers, 1)
+  return method.wire_bytes(params, nonfinite_flag=getattr(tx, "axis_name", None) is not None, step=step,
+                           workers=workers)
 
 
 def steady(tx: Any) -> CompressionTransformation:
@@ -887,7 +934,8 @@ def steady(tx: Any) -> CompressionTransformation:
   return build(method.steady(), tx.axis_name, tx.seed, dense_axis_name=getattr(tx, "dense_axis_name", None))
 
 
-def wire_bytes_by_axis(tx: Any, params: Any, dense_axis_size: int, step: int | None = None) -> dict:
+def wire_bytes_by_axis(tx: Any, params: Any, dense_axis_size: int, step: int | None = None,
+                       workers: int | None = None) -> dict:
   """Nominal bytes one worker hands to each axis per step, for a transform with ``dense_axis_name``.
 
   Returns ``{axis_name: compressed bytes over the slow axis, dense_axis_name:
@@ -897,6 +945,7 @@ def wire_bytes_by_axis(tx: Any, params: Any, dense_axis_size: int, step: int | N
   (:mod:`jaxcomp.hierarchy`) and only the compressed chunks cross the slow
   axis; methods that are not chunked (PowerSGD, ACP-SGD) all-reduce every
   bucket over the fast axis and exchange it whole over the slow one.
+  ``workers``: the slow axis's size, needed with ``exchange="scatter"``.
   """
   method = getattr(tx, "method", None)
   fast_name = getattr(tx, "dense_axis_name", None)
@@ -907,7 +956,8 @@ def wire_bytes_by_axis(tx: Any, params: Any, dense_axis_size: int, step: int | N
   full = method.buckets(params, stage or 0)
   flag = NONFINITE_FLAG_BYTES if not _carries_nonfinite(method, params) else 0
   if not _chunkable(method):
-    return {tx.axis_name: method.wire_bytes(params, step=step), fast_name: 4 * sum(b.length for b in full),
+    return {tx.axis_name: method.wire_bytes(params, step=step, workers=workers),
+            fast_name: 4 * sum(b.length for b in full),
             "both": 0}
   chunks = hierarchy.chunked(full, f)
   def state():
@@ -919,7 +969,7 @@ def wire_bytes_by_axis(tx: Any, params: Any, dense_axis_size: int, step: int | N
   if stage is None:
     slow = 4 * sum(b.length for b in chunks)
   else:
-    slow = sum(b.exchange.bucket_wire_bytes(b.segments) for b in chunks)
+    slow = sum(bucket_wire_bytes(b.exchange, b.segments, workers) for b in chunks)
   return {tx.axis_name: slow, fast_name: hierarchy.wire_bytes(full, f),
           "both": NONFINITE_FLAG_BYTES if (stateful or flag) else 0}
 

@@ -80,3 +80,31 @@ def _varying_axes(x):
   if hasattr(aval, "manual_axis_type"):
     return aval.manual_axis_type.varying
   return getattr(aval, "vma", None)
+
+
+def alltoall(tree: Any, axis: Axis) -> Any:
+  """Row ``j`` of every leaf (leading axis ``axis.size``) to worker ``j``.
+
+  Row ``w`` of the result came from worker ``w``.
+  """
+  if axis.name is None:
+    return tree
+  return jax.tree.map(lambda x: lax.all_to_all(x, axis.name, 0, 0), tree)
+
+
+def like_vma(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x`` typed as varying over the axes ``like`` varies over (a loop carry that starts as zeros).
+
+  Under ``shard_map`` a ``fori_loop`` whose body adds values received from an
+  all-to-all (varying) to a carry made by ``jnp.zeros`` (invariant) fails to
+  type; value-wise a no-op.
+  """
+  have, want = _varying_axes(x), _varying_axes(like)
+  if have is None or not want:
+    return x
+  missing = tuple(n for n in want if n not in have)
+  if not missing:
+    return x
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, missing, to="varying")
+  return lax.pvary(x, missing)  # pragma: no cover - JAX before pcast

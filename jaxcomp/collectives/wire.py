@@ -50,11 +50,34 @@ def _group_size(line: str) -> int:
   return 1
 
 
+def received_bytes(kind: str, nbytes: float, group: int) -> float:
+  """Bytes one worker receives for a collective to which it hands ``nbytes``, run as a ring of ``group``.
+
+  All-reduce: ``2 (g - 1) / g`` of its buffer (reduce-scatter, then
+  all-gather); all-gather: the ``g - 1`` other contributions; all-to-all and
+  reduce-scatter: ``(g - 1) / g`` of the operand; collective-permute: all of it.
+  """
+  if kind not in _OPS:
+    raise ValueError(f"kind must be one of {_OPS}, got kind={kind!r}")
+  g = int(group)
+  if g <= 1:
+    return 0.0
+  if kind == "all-reduce":
+    return 2.0 * (g - 1) / g * nbytes
+  if kind == "all-gather":
+    return float((g - 1) * nbytes)
+  if kind in ("all-to-all", "reduce-scatter"):
+    return (g - 1) / g * nbytes
+  return float(nbytes)
+
+
 def collective_bytes(hlo_text: str) -> Dict[str, Any]:
   """Bytes per participant moved by each kind of collective in ``hlo_text``.
 
   Returns a dict with one entry per collective kind (bytes), ``"total"`` and
-  ``"count"`` (number of collective instructions), and ``"by_group_size"``
+  ``"count"`` (number of collective instructions), ``"received"`` (the
+  bytes each worker receives when every collective runs as a ring, see
+  :func:`received_bytes`), and ``"by_group_size"``
   (bytes per replica-group size: on a mesh of two axes of different sizes,
   the bytes per axis). All-reduce: its buffer;
   all-gather: the result divided by the group size (what each worker sends);
@@ -63,7 +86,7 @@ def collective_bytes(hlo_text: str) -> Dict[str, Any]:
   """
   out: Dict[str, Any] = {op: 0 for op in _OPS}
   by_group: Dict[int, float] = {}
-  count = 0
+  count, received = 0, 0.0
   for line in hlo_text.splitlines():
     m = _INSTR.search(line)
     if not m:
@@ -79,11 +102,13 @@ def collective_bytes(hlo_text: str) -> Dict[str, Any]:
     elif op == "reduce-scatter":
       nbytes = nbytes * g
     out[op] += nbytes
+    received += received_bytes(op, nbytes, g)
     by_group[g] = by_group.get(g, 0) + nbytes
     count += 1
   out = {k: int(v) for k, v in out.items()}
   out["total"] = sum(out[op] for op in _OPS)
   out["count"] = count
+  out["received"] = int(round(received))
   out["by_group_size"] = {g: int(v) for g, v in sorted(by_group.items())}
   return out
 

@@ -247,7 +247,7 @@ class ACPFusion(FusedExchange):
 
 def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None = None,
            min_compression_rate: float = 2.0, seed: int = 0, balance_phases: bool = True,
-           min_size: int | None = None, dense=None, dense_axis_name=None):
+           min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """ACP-SGD: PowerSGD's two factors sent on alternate steps, all layers in one all-reduce.
 
   Each leaf of rank >= 2 is viewed as a matrix M (``lowrank.matrix_view``:
@@ -296,6 +296,7 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
     min_size, dense: the leaf policy, see :func:`jaxcomp.build`: leaves of
       fewer than ``min_size`` entries, and those ``dense`` selects, travel
       uncompressed in the fused buffers.
+    exchange: ``"gather"`` only: its factors are all-reduced already; ``"scatter"`` raises.
 
   References:
     Zhang, Zhang, Shi, Chu & Li, *Evaluation and Optimization of Gradient
@@ -320,7 +321,8 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
     return DENSE, (n,)
 
   method = Method("acpsgd", route, Memory(), fused=ACPFusion(bucket_bytes, balance))
-  return build(method, axis_name, seed, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
+  return build(method, axis_name, seed, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+  exchange=exchange)
 
 
 def phases(tx, params) -> Sequence[tuple[int, int]]:

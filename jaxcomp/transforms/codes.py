@@ -153,7 +153,7 @@ class SketchCodec(Codec):
 
 def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = None,
              error_feedback: bool = False, seed: int = 0, bucket_bytes: int | None = None,
-             min_size: int | None = None, dense=None, dense_axis_name=None):
+             min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """SketchML's quantile sketch: a bucket index per entry plus the bucket means.
 
   Each leaf is split into ``q = min(buckets, n)`` buckets of (about) equal
@@ -190,6 +190,8 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = 
       to its bucket mean is carried in a residual.
     seed: seeds the key (used for the sample).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Jiang, Fu, Yang, Cui, *SketchML: Accelerating Distributed Machine Learning
@@ -201,7 +203,8 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = 
   ef = _args.flag("error_feedback", error_feedback)
   codec = SketchCodec(q, size)
   return build(Method("sketchml", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)
 
 
 # ----------------------------------------------------------------------------
@@ -339,7 +342,7 @@ class InceptionnCodec(Codec):
 
 def inceptionn(error_bound: float = 2.0 ** -10, capacity: float = 1.0, axis_name: AxisName = None,
                error_feedback: bool = True, seed: int = 0, bucket_bytes: int | None = None,
-               min_size: int | None = None, dense=None, dense_axis_name=None):
+               min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """INCEPTIONN's lossy code: a 2-bit tag per value choosing 0, 8, 16 or 32 bits.
 
   Gradients are mostly small, so most values need few bits for a fixed
@@ -390,6 +393,8 @@ def inceptionn(error_bound: float = 2.0 ** -10, capacity: float = 1.0, axis_name
       whatever did not fit in the stream are carried, so nothing is lost.
     seed: seeds the key (the per-step stream rotation).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Li, Park, Alian, Yuan, Qu, Pan, Wang, Schwing, Esmaeilzadeh, Kim, *A
@@ -407,4 +412,5 @@ def inceptionn(error_bound: float = 2.0 ** -10, capacity: float = 1.0, axis_name
   ef = _args.flag("error_feedback", error_feedback)
   codec = InceptionnCodec(lsb, cap)
   return build(Method("inceptionn", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName, current_axis
-from jaxcomp.core import DENSE, Ctx, Exchange, Memory, Method, build, flat_route, staged
+from jaxcomp.core import DENSE, Codec, Ctx, Exchange, Memory, Method, build, flat_route, staged
 from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.threshold import (
@@ -196,11 +196,31 @@ class DGCExchange(Exchange):
   def bucket_wire_bytes(self, segs):
     return sparse_bytes(segs.length, int(self.caps(segs).sum()))
 
+  def scatter_codec(self, ctx: Ctx | None) -> "DGCCodec":
+    """This step's selection as a codec, for ``exchange="scatter"`` (``ctx`` None: for sizes only)."""
+    return DGCCodec(self, self.max_ratio if ctx is None else self.ratio(ctx.count))
+
+
+class DGCCodec(Codec):
+  """DGC's sampled-threshold selection at one step's ratio, in the codec form (the scatter exchange's)."""
+
+  def __init__(self, exchange: DGCExchange, ratio):
+    self.exchange, self.ratio, self.block = exchange, ratio, exchange.block
+
+  def encode(self, x, key, segs):
+    return self.exchange.encode(x, key, self.ratio, segs)
+
+  def decode(self, payload, key, segs):
+    return sparse_decode(*payload, segs.length)
+
+  def aggregate(self, gathered, key, segs, num):
+    return sparse_mean(*gathered, segs.length, num)
+
 
 def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: float = 0.9,
         sample_ratio: float = 0.01, warmup_steps: int | None = None, max_ratio: float | None = None,
         clip_norm: float | None = CLIP_NORM, seed: int = 0, bucket_bytes: int | None = None,
-        min_size: int | None = None, dense=None, dense_axis_name=None):
+        min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """Deep Gradient Compression: momentum correction, factor masking, local clipping, warm-up.
 
   The defaults are the paper's method, all four parts on: local gradient
@@ -268,6 +288,8 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Lin, Han, Mao, Wang & Dally, *Deep Gradient Compression: Reducing the
@@ -297,9 +319,10 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
     if w:  # DGC's exponential warm-up: stages of dgc at fixed densities, each its own payload
       from jaxcomp.warmup import warmup_stages
       return staged([(first, dgc(d, axis_name, m, sr, 0, None, clip, seed, bucket_bytes, min_size, dense,
-                                     dense_axis_name=dense_axis_name))
+                                     dense_axis_name=dense_axis_name, exchange=exchange))
                      for first, d in warmup_stages(r, w, start=WARMUP_START)])
     schedule, top = (lambda step: jnp.float32(r)), r
-  exchange = DGCExchange(schedule, top, sr)
-  return build(Method("dgc", flat_route(exchange), DGCMemory(m, clip, axis_name)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
+  ex = DGCExchange(schedule, top, sr)
+  return build(Method("dgc", flat_route(ex), DGCMemory(m, clip, axis_name)), axis_name, seed,
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import Ctx, Exchange, Memory, Method, build, flat_route
+from jaxcomp.core import Codec, Ctx, Exchange, Memory, Method, build, flat_route
 from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args, selection
 from jaxcomp.memories import MomentumCorrection
@@ -98,6 +98,11 @@ class RedSyncExchange(Exchange):
     values, idx = self.values(payload, segs)
     return jnp.zeros((segs.length,), jnp.float32).at[idx.astype(jnp.int32)].add(values)
 
+  def scatter_codec(self, ctx: Ctx | None) -> "RedSyncCodec":
+    """The selection as a codec, for ``exchange="scatter"`` (a fresh binary search per chunk)."""
+    del ctx
+    return RedSyncCodec(self)
+
   def exchange(self, x, segs, thresholds, ctx: Ctx):
     payload, found = self.encode(x, segs, thresholds if self.selection == "binary_search" else None)
     if self.selection == "binary_search":
@@ -117,7 +122,8 @@ class RedSyncExchange(Exchange):
 
 def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bool = False,
             min_size: int | None = MIN_SIZE, momentum: float | None = None, axis_name: AxisName = None,
-            seed: int = 0, bucket_bytes: int | None = None, dense=None, dense_axis_name=None):
+            seed: int = 0, bucket_bytes: int | None = None, dense=None, dense_axis_name=None,
+            exchange: str = "gather"):
   """RedSync: residual gradient sparsification with sort-free selection, all-gathered.
 
   Each leaf of at least ``min_size`` entries sends about ``k = ceil(ratio * n)``
@@ -159,6 +165,8 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Fang, Fu, Yang & Hsieh, *RedSync: Reducing Synchronization Traffic for
@@ -176,4 +184,24 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
   else:
     memory = MomentumCorrection(_args.unit_interval("momentum", momentum), masking=True)
   method = Method("redsync", flat_route(RedSyncExchange(r, sel, q)), memory)
-  return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=size, dense=dense, dense_axis_name=dense_axis_name)
+  return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=size, dense=dense, dense_axis_name=dense_axis_name,
+  exchange=exchange)
+
+
+class RedSyncCodec(Codec):
+  """RedSync's selection in the codec form (the scatter exchange's): no carried thresholds."""
+
+  vmappable = False  # a search per chunk, one after another
+
+  def __init__(self, exchange: RedSyncExchange):
+    self.exchange, self.block = exchange, exchange.block
+
+  def encode(self, x, key, segs):
+    return self.exchange.encode(x, segs, None)[0]
+
+  def decode(self, payload, key, segs):
+    return self.exchange.decode(payload, segs)
+
+  def aggregate(self, gathered, key, segs, num):
+    values, idx = jax.vmap(lambda p: self.exchange.values(p, segs))(gathered)
+    return scatter_mean(values, idx, segs.length, num)

@@ -250,7 +250,7 @@ class SBCExchange(Exchange):
 
 def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
         capacity: float | None = None, seed: int = 0, bucket_bytes: int | None = None,
-        min_size: int | None = None, dense=None, dense_axis_name=None):
+        min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """Sparse Binary Compression: communication delay + binarized top-p + Golomb positions.
 
   Place it after the optimizer: its input is each worker's local parameter
@@ -317,6 +317,8 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
       (about 4-6% above the expected length at p = 0.001-0.01).
     seed: seeds the state's key (SBC itself draws nothing).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    exchange: ``"gather"`` only: its sync schedule and Golomb stream have no
+      scatter form; ``"scatter"`` raises.
 
   References:
     Sattler, Wiedemann, Müller & Samek, *Sparse Binary Compression: Towards
@@ -334,6 +336,6 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
         f"sparsity must be >= 1e-9 (Golomb-coded positions need b <= 30), got sparsity={sparsity!r}")
   if capacity is not None:
     capacity = _args.positive("capacity", capacity)
-  exchange = SBCExchange(p, d, capacity)
-  return build(Method("sbc", flat_route(exchange), Memory(enabled=False)), axis_name, seed,
-               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name)
+  ex = SBCExchange(p, d, capacity)
+  return build(Method("sbc", flat_route(ex), Memory(enabled=False)), axis_name, seed,
+               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name, exchange=exchange)

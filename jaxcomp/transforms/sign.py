@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.collectives import packing
+from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
 from jaxcomp.layout import Segments
@@ -31,7 +31,7 @@ def majority_vote(words: jnp.ndarray, n: int, ties: str = "zero") -> jnp.ndarray
   def body(w, acc):
     return acc + 2 * packing.unpack(words[w], 1, n).astype(jnp.int32) - 1
 
-  votes = lax.fori_loop(0, words.shape[0], body, jnp.zeros((n,), jnp.int32))
+  votes = lax.fori_loop(0, words.shape[0], body, ops.like_vma(jnp.zeros((n,), jnp.int32), words))
   if ties == "positive":
     return jnp.where(votes >= 0, 1.0, -1.0).astype(jnp.float32)
   return jnp.sign(votes).astype(jnp.float32)
@@ -88,7 +88,8 @@ class SignCodec(Codec):
 
 
 def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0, ties: str = "zero",
-            bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
+            bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
+            exchange: str = "gather"):
   """signSGD with majority vote: 1 bit per entry on the wire.
 
   Each worker sends the packed signs of its gradient (``x >= 0`` counts as +1);
@@ -112,6 +113,8 @@ def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int 
     seed: seeds the state's key (unused).
     ties: what a tied vote gives: ``"zero"`` (default) or ``"positive"`` (+1).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Bernstein et al., *signSGD: Compressed Optimisation for Non-Convex
@@ -124,7 +127,8 @@ def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int 
   ties = _args.choice("ties", ties, TIES)
   codec = SignCodec(scaled=ef, ties=ties)
   return build(Method("signsgd", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)
 
 
 class ScaledSignCodec(Codec):
@@ -141,7 +145,7 @@ class ScaledSignCodec(Codec):
 
 
 def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
-              min_size: int | None = None, dense=None, dense_axis_name=None):
+              min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """EF-signSGD: scaled signs with error feedback.
 
   Memory ``x = e + lr * g``; the payload is ``mean|x|`` of each leaf and the
@@ -154,6 +158,8 @@ def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket
     axis_name: the data-parallel axis, or None.
     seed: seeds the state's key (unused).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Karimireddy et al., *Error Feedback Fixes SignSGD and other Gradient
@@ -161,7 +167,8 @@ def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket
   """
   g = _args.positive("lr", lr)
   return build(Method("efsignsgd", flat_route(CodecExchange(ScaledSignCodec())), Memory(gamma=g)),
-               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
+               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)
 
 
 class MomentumMemory(Memory):
@@ -185,7 +192,8 @@ class MomentumMemory(Memory):
 
 
 def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, ties: str = "zero",
-           bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
+           bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
+           exchange: str = "gather"):
   """Signum: signSGD with local momentum, 1 bit per entry, majority vote.
 
   Each worker keeps ``m <- momentum * m + (1 - momentum) * g`` and sends the
@@ -201,6 +209,8 @@ def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, tie
     seed: seeds the state's key (unused).
     ties: what a tied vote gives: ``"zero"`` (default) or ``"positive"`` (+1).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Bernstein, Wang, Azizzadenesheli & Anandkumar, *signSGD: Compressed
@@ -211,7 +221,8 @@ def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, tie
   b = _args.unit_interval("momentum", momentum)
   ties = _args.choice("ties", ties, TIES)
   return build(Method("signum", flat_route(CodecExchange(SignCodec(ties=ties))), MomentumMemory(b)),
-               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
+               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)
 
 
 class OneBitCodec(Codec):
@@ -237,7 +248,8 @@ class OneBitCodec(Codec):
 
 
 def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
-           bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
+           bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
+           exchange: str = "gather"):
   """1-bit SGD: one sign bit per entry and two reconstruction values, with error feedback.
 
   Each leaf is quantized to 1 bit per entry (``x >= 0`` or not), packed 8 per
@@ -253,6 +265,8 @@ def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 
     error_feedback: carry the quantization error (default True).
     seed: seeds the state's key (unused).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Seide, Fu, Droppo, Li & Yu, *1-Bit Stochastic Gradient Descent and its
@@ -261,4 +275,5 @@ def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 
   """
   ef = _args.flag("error_feedback", error_feedback)
   return build(Method("onebit", flat_route(CodecExchange(OneBitCodec())), Memory(enabled=ef)), axis_name,
-               seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
+               seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
 from jaxcomp.layout import Segments
@@ -50,7 +51,7 @@ def scatter_mean(values: jax.Array, indices: jax.Array, n: int, num: int) -> jax
   def body(w, acc):
     return acc.at[indices[w].astype(jnp.int32)].add(values[w].astype(jnp.float32), mode="drop")
 
-  return lax.fori_loop(0, values.shape[0], body, jnp.zeros((n,), jnp.float32)) / num
+  return lax.fori_loop(0, values.shape[0], body, ops.like_vma(jnp.zeros((n,), jnp.float32), values)) / num
 
 
 # ----------------------------------------------------------------------------
@@ -183,7 +184,7 @@ class ChunkedTopKCodec(Codec):
 def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
          selection: str = "exact", positions: str = "chunk16", values: str = "float32",
          block: int | None = None, scope: str = "layer", bucket_bytes: int | None = None,
-         min_size: int | None = None, dense=None, dense_axis_name=None):
+         min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """Top-k sparsification with error feedback (all-gather of values + positions).
 
   Each leaf (flattened, n entries) keeps its entries of largest magnitude;
@@ -221,6 +222,8 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
       bucket of m entries (one selection over fused layers, as in bucketed
       top-k systems), positions relative to the bucket.
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Aji & Heafield, *Sparse Communication for Distributed Gradient Descent*,
@@ -245,7 +248,7 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
   else:
     codec = TopKCodec(r, pos, val, sc)
   return build(Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name)
+               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name, exchange=exchange)
 
 
 # ----------------------------------------------------------------------------
@@ -297,7 +300,7 @@ class RandomKCodec(Codec):
 
 def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True,
             unbiased: bool = False, seed: int = 0, bucket_bytes: int | None = None,
-            min_size: int | None = None, dense=None, dense_axis_name=None):
+            min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """Random-k sparsification; positions come from the shared key, values are psum-ed.
 
   Every worker draws the same positions from the state's key (split each
@@ -315,6 +318,8 @@ def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: boo
       estimate is unbiased (use with ``error_feedback=False``).
     seed: seeds the shared key.
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Stich et al., *Sparsified SGD with Memory*, NeurIPS 2018; Wangni et al.,
@@ -326,4 +331,4 @@ def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: boo
   ub = _args.flag("unbiased", unbiased)
   codec = RandomKCodec(r, ub)
   return build(Method("randomk", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name)
+               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name, exchange=exchange)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.collectives import packing
+from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
 from jaxcomp.layout import Segments
@@ -235,7 +235,8 @@ def loop_mean(decode, gathered, n: int, num: int) -> jax.Array:
     return acc + decode(jax.tree.map(lambda a: a[w], gathered))
 
   workers = jax.tree.leaves(gathered)[0].shape[0]
-  return lax.fori_loop(0, workers, body, jnp.zeros((n,), jnp.float32)) / num
+  zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), jax.tree.leaves(gathered)[0])
+  return lax.fori_loop(0, workers, body, zeros) / num
 
 
 # ----------------------------------------------------------------------------
@@ -267,7 +268,7 @@ class ThresholdCodec(Codec):
 
 def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None,
               error_feedback: bool = True, seed: int = 0, bucket_bytes: int | None = None,
-              min_size: int | None = None, dense=None, dense_axis_name=None):
+              min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """Threshold sparsification: send the entries with ``|x| > v`` (a variable count).
 
   The count varies from step to step but a payload's shape cannot, so each
@@ -300,6 +301,8 @@ def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Strom, *Scalable Distributed DNN Training Using Commodity GPU Cloud
@@ -311,7 +314,8 @@ def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None
   ef = _args.flag("error_feedback", error_feedback)
   codec = ThresholdCodec(v, cap)
   return build(Method("threshold", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)
 
 
 # ----------------------------------------------------------------------------
@@ -415,7 +419,8 @@ class AdaQCodec(Codec):
 
 def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0.01,
          capacity: float | None = None, encoding: str = "auto", error_feedback: bool = True,
-         seed: int = 0, bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None):
+         seed: int = 0, bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
+         exchange: str = "gather"):
   """Adaptive quantization: the top ``ratio`` of the positives and of the negatives, two means.
 
   Each leaf's positive entries and (separately) its negative entries are
@@ -456,6 +461,8 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
+    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
     Dryden, Moon, Jacobs & Van Essen, *Communication Quantization for
@@ -468,4 +475,5 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
   ef = _args.flag("error_feedback", error_feedback)
   codec = AdaQCodec(r, sr, cap, enc)
   return build(Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name)
+               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)

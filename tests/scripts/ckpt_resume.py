@@ -48,7 +48,8 @@ def params0():
 
 def optimizer(name: str):
   # Each method through its recipe: its memory (momentum correction, EF21, ...) and the outer sgd.
-  return jaxcomp.recipe(name, 0.05, axis_name=AXIS)
+  method, _, exchange = name.partition("@")
+  return jaxcomp.recipe(method, 0.05, axis_name=AXIS, **({"exchange": exchange} if exchange else {}))
 
 
 def _loss(params, step, worker):
@@ -111,9 +112,13 @@ def run(name: str, layout: str, carry, first: int, steps: int):
   return params, state
 
 
+SCATTER_METHODS = ("qsgd", "topk", "dgc")  # "name@scatter": through exchange="scatter" (two residuals)
+
+
 def cases():
-  """(name, layout) for every method under pmap, and one under shard_map."""
-  return [(name, "pmap") for name in sorted(jaxcomp.METHODS)] + [(SHARD_MAP_METHOD, "shard_map")]
+  """(name, layout) for every method under pmap, a few with exchange="scatter", and one under shard_map."""
+  return ([(name, "pmap") for name in sorted(jaxcomp.METHODS)] + [(f"{m}@scatter", "pmap") for m in SCATTER_METHODS]
+          + [(SHARD_MAP_METHOD, "shard_map")])
 
 
 def key(name: str, layout: str) -> str:

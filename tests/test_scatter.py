@@ -1,0 +1,153 @@
+"""exchange="scatter": an all-to-all of 1/N chunks, a reduce per chunk, an all-gather of the re-compressed chunks.
+
+Replicas bit-identical, pmap == shard_map, every value either delivered or in
+one of the two residuals (the worker's, the chunk owner's), NaN handling,
+resume bitwise, and the bytes each worker receives, measured from the
+compiled program at N = 2, 4, 8, flat in N.
+"""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomp
+from jaxcomp import checkpoint, layout
+from jaxcomp.core import Memory
+from jaxcomp.scatter import ScatterExchange
+from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, params_tree,
+                     pmap_wire_bytes, run_pmap, run_shard_map, worker_grads)
+
+NO_SCATTER = ("powersgd", "acpsgd", "sbc")  # all-reduced factors; SBC's sync schedule and Golomb stream
+PSUMMED = ("none", "fp16", "bf16", "randomk")  # already one all-reduce: unchanged
+VOTES = ("signsgd", "signum")  # the output is a majority vote, not the mean of the sent signs
+SCATTERED = sorted(set(jaxcomp.METHODS) - set(NO_SCATTER) - set(PSUMMED))
+
+
+def _scatter(name, **kw):
+  factory = jaxcomp.METHODS[name]
+  if "error_feedback" in inspect.signature(factory).parameters:
+    kw.setdefault("error_feedback", True)  # both residuals, for the conservation check
+  return factory(axis_name=AXIS, exchange="scatter", **kw)
+
+
+def _vectors(tx, tree, worker):
+  """Worker ``worker``'s entries of a stacked tree, in the bucket layout (float64)."""
+  buckets = tx.method.buckets(params_tree())
+  leaves = [np.asarray(x)[worker] for x in jax.tree.leaves(tree)]
+  return [np.asarray(v, np.float64) for v in layout.pack(buckets, leaves)]
+
+
+@pytest.mark.parametrize("name", SCATTERED)
+def test_replicas_pmap_shard_map_and_both_residuals(name):
+  tx = _scatter(name)
+  assert any(isinstance(b.exchange, ScatterExchange) for b in tx.method.buckets(params_tree()))
+  params = params_tree()
+  state_p = state_s = state0 = init_stacked(tx, params)
+  total_out = total_in = None
+  for step in range(2):
+    grads = worker_grads(params, seed=step)
+    out_p, state_p = run_pmap(tx, grads, state_p)
+    out_s, state_s = run_shard_map(tx, grads, state_s)
+    assert_replicas_equal(out_p)
+    assert_trees_close(out_p, out_s, rtol=1e-6, atol=1e-7)
+    assert_trees_close(state_p, state_s, rtol=1e-6, atol=1e-7)
+    for leaf in jax.tree.leaves((out_p, state_p.extra)):
+      assert np.all(np.isfinite(np.asarray(leaf)))
+    out = _vectors(tx, out_p, 0)
+    mean_in = [np.mean(w, axis=0) for w in zip(*(_vectors(tx, grads, w) for w in range(N)))]
+    total_out = out if total_out is None else [a + b for a, b in zip(total_out, out)]
+    total_in = mean_in if total_in is None else [a + b for a, b in zip(total_in, mean_in)]
+  for owner in jax.tree.leaves(state_p.extra):  # float32, the bucket's length, each worker its own chunk
+    assert owner.dtype == jnp.float32
+  memory = tx.method.memory
+  if type(memory) is not Memory or not memory.enabled or memory.gamma != 1.0 or name in VOTES:
+    return  # momentum memories (DGC, Signum, RedSync), scaled ones and votes: not a mean of what was sent
+  # sum of outputs + mean worker residual + every owner's residual == mean of the gradients
+  for i, b in enumerate(tx.method.buckets(params)):
+    residual = np.mean([np.asarray(state_p.memory[i][w], np.float64) for w in range(N)], axis=0)
+    owners = np.zeros_like(residual)
+    if isinstance(b.exchange, ScatterExchange):
+      owners = np.sum(np.asarray(state_p.extra[i], np.float64), axis=0)
+      start = np.asarray(state0.extra[i])
+      assert not np.any(start) and np.any(owners), "the owners keep what phase 2 did not send"
+    np.testing.assert_allclose(total_out[i] + residual + owners, total_in[i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "signsgd", "topk"])
+def test_received_bytes_are_flat_in_the_number_of_workers(name):
+  params = {"conv": jnp.zeros((3, 3, 16, 32)), "w": jnp.zeros((256, 64)), "b": jnp.zeros((64,))}
+  received = {n: pmap_wire_bytes(_scatter(name), params, n)["received"] for n in (2, 4, 8)}
+  gathered = pmap_wire_bytes(jaxcomp.METHODS[name](axis_name=AXIS), params, 8)["received"]
+  assert received[8] <= 1.3 * received[4] and received[4] <= 1.6 * received[2], received
+  assert received[8] <= 0.5 * gathered, (received, gathered)
+  tx = _scatter(name)
+  measured = pmap_wire_bytes(tx, params, 8)
+  assert measured["total"] == jaxcomp.wire_bytes(tx, params, workers=8), measured  # handed: N + 1 chunks
+  assert measured["all-to-all"] > 0 and measured["all-gather"] > 0
+
+
+@pytest.mark.parametrize("name", ["qsgd", "topk"])
+def test_a_nan_skips_the_step_and_keeps_both_residuals(name):
+  tx = _scatter(name)
+  params = params_tree()
+  state = init_stacked(tx, params)
+  _, state = run_pmap(tx, worker_grads(params, seed=0), state)
+  grads = worker_grads(params, seed=1)
+  grads["dense"]["kernel"] = grads["dense"]["kernel"].at[3, 2, 1].set(jnp.nan)
+  out, after = run_pmap(tx, grads, state)
+  for leaf in jax.tree.leaves(out):
+    assert np.all(np.isnan(np.asarray(leaf)))
+  for a, b in zip(jax.tree.leaves(after.extra), jax.tree.leaves(state.extra)):  # the owners' kept as they were
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for leaf in jax.tree.leaves(after.memory):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+  out, _ = run_pmap(tx, worker_grads(params, seed=2), after)
+  for leaf in jax.tree.leaves(out):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+def test_resume_from_a_checkpoint_is_bitwise(tmp_path):
+  tx = _scatter("qsgd")
+  params = params_tree()
+  state = init_stacked(tx, params)
+  for step in range(2):
+    _, state = run_pmap(tx, worker_grads(params, seed=step), state)
+  checkpoint.save(str(tmp_path / "ckpt"), state)
+  restored = checkpoint.restore(str(tmp_path / "ckpt"), state)
+  for saved in (state, restored):
+    out, _ = run_pmap(tx, worker_grads(params, seed=2), saved)
+    if saved is state:
+      reference = out
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(reference)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_arguments_are_named():
+  for factory in jaxcomp.METHODS.values():
+    assert inspect.signature(factory).parameters["exchange"].default == "gather"
+  with pytest.raises(ValueError, match=r"exchange must be one of \('gather', 'scatter'\)"):
+    jaxcomp.qsgd(axis_name=AXIS, exchange="ring")
+  for name in NO_SCATTER:
+    with pytest.raises(ValueError, match=f"not available for {name}.*exchange='gather'"):
+      jaxcomp.METHODS[name](axis_name=AXIS, exchange="scatter")
+  tx = jaxcomp.topk(axis_name=AXIS, exchange="scatter")
+  with pytest.raises(ValueError, match="workers=N"):
+    jaxcomp.wire_bytes(tx, params_tree())
+  with pytest.raises(ValueError, match="workers must be >= 1"):
+    jaxcomp.wire_bytes(tx, params_tree(), workers=0)
+  assert jaxcomp.configure(tx, exchange="gather").exchange == "gather"
+  assert jaxcomp.configure(jaxcomp.topk(axis_name=AXIS), exchange="scatter").exchange == "scatter"
+  with pytest.raises(ValueError, match="exchange"):
+    jaxcomp.staged([(0, tx), (10, jaxcomp.topk(axis_name=AXIS))])
+
+
+def test_psummed_methods_keep_their_all_reduce():
+  params = params_tree()
+  for name in PSUMMED:
+    kw = {} if name == "none" else {"min_size": 1}
+    gather = jaxcomp.METHODS[name](axis_name=AXIS, **kw)
+    scatter = jaxcomp.METHODS[name](axis_name=AXIS, exchange="scatter", **kw)
+    assert jaxcomp.wire_bytes(scatter, params, workers=N) == jaxcomp.wire_bytes(gather, params)
