@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
   batches = data.worker_batches(ds, WORKERS, args.batch, args.steps, args.seed)
   x, y = next(batches)
   wire = jaxcomp.measure_wire_bytes(p_step, P, S, x, y)
-  nominal = jaxcomp.wire_bytes(compress, params)
+  nominal = jaxcomp.wire_bytes(compress, params, workers=WORKERS)
 
   losses = []
   with tqdm(total=args.steps, desc=args.method, disable=args.no_progress, mininterval=1.0) as bar:

@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
   flat = lambda xb, yb: (xb.reshape((-1,) + xb.shape[2:]), yb.reshape(-1))  # noqa: E731
   x, y = flat(*next(batches))
   wire = jaxcomp.measure_wire_bytes(p_step, Pm, S, x, y)
-  nominal = jaxcomp.wire_bytes(compress, one_block)
+  nominal = jaxcomp.wire_bytes(compress, one_block, workers=DATA)
 
   losses = []
   with tqdm(total=args.steps, desc=args.method, disable=args.no_progress, mininterval=1.0) as bar:

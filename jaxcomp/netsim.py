@@ -336,14 +336,20 @@ def communication_time(traffic: Traffic, network: Network, bucket_bytes: float |
   return float(sum(network.collective(k, b) for k, b in entries if b > 0))
 
 
-def compression_time(round_trip: float, decode: float = 0.0, workers: int = 1, gathered: bool = False) -> float:
+def compression_time(round_trip: float, decode: float = 0.0, workers: int = 1, gathered: bool = False,
+                     scattered: bool = False) -> float:
   """Seconds of compression per step: encode + own decode, plus ``N - 1`` decodes when gathered.
 
   ``round_trip`` is the measured local compress -> decode (``axis_name=None``);
   a method that all-gathers decodes every other worker's payload too, each
-  costing ``decode`` seconds.
+  costing ``decode`` seconds. ``scattered`` (``exchange="scatter"``): a
+  worker decodes N payloads of 1/N of the bucket twice (its chunk from every
+  worker, then every owner's chunk) and encodes 1/N of it again: about two
+  more decodes of one payload, whatever N (a model, not a measurement).
   """
-  extra = (workers - 1) * decode if gathered else 0.0
+  if gathered and scattered:
+    raise ValueError("gathered and scattered are two exchanges; pass one of them")
+  extra = (workers - 1) * decode if gathered else 2 * decode if scattered else 0.0
   return float(round_trip + extra)
 
 

@@ -178,3 +178,41 @@ def scatter_form(exchange, name: str):
       f"exchange='scatter' is not available for {name}: its exchange ({type(exchange).__name__}) has no"
       " scatter form (PowerSGD's and ACP-SGD's factors are all-reduced already; SBC keeps its sync"
       " schedule and Golomb stream); use exchange='gather'")
+
+
+def traffic(tx: Any, params: Any, workers: int) -> list:
+  """The collectives of ``tx``'s steady step over ``workers`` workers: one ``(kind, bytes handed)`` per bucket.
+
+  From the bucket layout alone (no compile, any N): a scattered bucket is an
+  all-to-all of ``workers`` chunk payloads and an all-gather of one; a psum-ed
+  one (dense, fp16, random-k, PowerSGD's factors) an all-reduce; the others
+  an all-gather of the bucket's payload; plus the non-finite flag's 4-byte
+  all-reduce where the method needs it. Per kind, the bytes equal those of
+  the compiled program (``jaxcomp.collective_bytes``; XLA may merge
+  collectives of one kind). Fused methods (ACP-SGD) are not covered: measure
+  their compiled program.
+  """
+  from jaxcomp import core  # noqa: PLC0415 - core imports this module
+
+  method = getattr(tx, "method", None)
+  if not isinstance(method, core.Method):
+    raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
+  if method.fused is not None:
+    raise ValueError(f"traffic: {method.name}'s fused exchange is not laid out per bucket; measure its"
+                     " compiled program (jaxcomp.collective_bytes)")
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    raise ValueError(f"workers must be an int >= 1, got workers={workers!r}")
+  steady = method.steady()
+  out = []
+  for b in steady.buckets(params):
+    ex = b.exchange
+    if isinstance(ex, ScatterExchange):
+      p = chunk_payload_bytes(ex, b.length, workers)
+      out += [("all-to-all", workers * p), ("all-gather", p)]
+    elif isinstance(ex, core.CodecExchange) and ex.codec.linear or getattr(ex, "psums", False):
+      out.append(("all-reduce", ex.bucket_wire_bytes(b.segments)))
+    else:
+      out.append(("all-gather", ex.bucket_wire_bytes(b.segments)))
+  if not core._carries_nonfinite(steady, params):
+    out.append(("all-reduce", core.NONFINITE_FLAG_BYTES))
+  return out

@@ -69,12 +69,14 @@ def test_flax_trainstate():
 
 
 @pytest.mark.slow
-def test_multihost_equals_single_process():
+@pytest.mark.parametrize("options", [("--method", "topk"), ("--method", "qsgd", "--exchange", "scatter")])
+def test_multihost_equals_single_process(options):
   # --min-size 1: every leaf gathered and decoded in worker order (bitwise the same in any
-  # process layout); a dense float psum's summation order depends on the layout.
-  launched = _example("multihost.py", "--launch", "--method", "topk", "--steps", "3", "--min-size", "1")
+  # process layout); a dense float psum's summation order depends on the layout. The scatter
+  # exchange's all-to-all and owner sums run in worker order too.
+  launched = _example("multihost.py", "--launch", *options, "--steps", "3", "--min-size", "1")
   assert "all processes hold the same parameters" in launched, launched
-  single = _example("multihost.py", "--method", "topk", "--steps", "3", "--min-size", "1")
+  single = _example("multihost.py", *options, "--steps", "3", "--min-size", "1")
   assert "process 0/1: 8 of 8 workers" in single, single
   (one,) = set(_checksums(launched))
   assert _checksums(single) == [one], (launched, single)

@@ -88,6 +88,20 @@ def test_every_method_replicas_chunked_memory_and_slow_axis_bytes(name):
     assert nominal[SLOW] < dense
 
 
+@pytest.mark.parametrize("name", ["qsgd", "topk"])
+def test_the_scatter_exchange_runs_over_the_slow_axis(name):
+  tx = jaxcomp.METHODS[name](axis_name=SLOW, dense_axis_name=FAST, exchange="scatter")
+  outs, state = run(tx, 2)
+  for leaf in jax.tree.leaves(outs[-1]):  # bit-identical on all 8 workers of the mesh
+    a = np.asarray(leaf)
+    np.testing.assert_array_equal(a, np.broadcast_to(a[:1], a.shape))
+  for owner in jax.tree.leaves(state.extra):  # the owner residual of the worker's fast-axis chunk
+    assert owner.shape[-1] in [hierarchy.chunk_length(b.length, F) for b in tx.method.buckets(PARAMS)]
+  measured = jaxcomp.collective_bytes(programs(tx)[1].as_text())
+  nominal = jaxcomp.wire_bytes_by_axis(tx, PARAMS, F, workers=M)
+  assert measured["by_group_size"].get(M, 0) == nominal[SLOW] and measured["all-to-all"] > 0, (measured, nominal)
+
+
 def test_error_feedback_conserves_every_value_of_the_chunk():
   tx = jaxcomp.topk(0.05, axis_name=SLOW, dense_axis_name=FAST, min_size=1)
   (b_full,) = [b for b in tx.method.buckets(PARAMS)]

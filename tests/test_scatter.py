@@ -79,14 +79,19 @@ def test_replicas_pmap_shard_map_and_both_residuals(name):
 @pytest.mark.parametrize("name", ["qsgd", "signsgd", "topk"])
 def test_received_bytes_are_flat_in_the_number_of_workers(name):
   params = {"conv": jnp.zeros((3, 3, 16, 32)), "w": jnp.zeros((256, 64)), "b": jnp.zeros((64,))}
-  received = {n: pmap_wire_bytes(_scatter(name), params, n)["received"] for n in (2, 4, 8)}
-  gathered = pmap_wire_bytes(jaxcomp.METHODS[name](axis_name=AXIS), params, 8)["received"]
+  measured = {n: pmap_wire_bytes(_scatter(name), params, n) for n in (2, 4, 8)}
+  received = {n: m["received"] for n, m in measured.items()}
+  gather = jaxcomp.METHODS[name](axis_name=AXIS)
+  gathered = pmap_wire_bytes(gather, params, 8)
   assert received[8] <= 1.3 * received[4] and received[4] <= 1.6 * received[2], received
-  assert received[8] <= 0.5 * gathered, (received, gathered)
-  tx = _scatter(name)
-  measured = pmap_wire_bytes(tx, params, 8)
-  assert measured["total"] == jaxcomp.wire_bytes(tx, params, workers=8), measured  # handed: N + 1 chunks
-  assert measured["all-to-all"] > 0 and measured["all-gather"] > 0
+  assert received[8] <= 0.5 * gathered["received"], (received, gathered)
+  for tx, m, n in ((_scatter(name), measured[8], 8), (_scatter(name), measured[4], 4), (gather, gathered, 8)):
+    assert m["total"] == jaxcomp.wire_bytes(tx, params, workers=n), m  # handed: N + 1 chunk payloads
+    by_kind = {}
+    for kind, nbytes in jaxcomp.traffic(tx, params, n):  # the layout's collectives, per kind, as compiled
+      by_kind[kind] = by_kind.get(kind, 0) + nbytes
+    assert by_kind == {k: m[k] for k in by_kind} and sum(by_kind.values()) == m["total"], (by_kind, m)
+  assert measured[8]["all-to-all"] > 0 and gathered["all-to-all"] == 0
 
 
 @pytest.mark.parametrize("name", ["qsgd", "topk"])

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "longrun": "jaxcomp.bench.longrun",    # thousands of steps: bounded residuals, keys, replicas
     "recipes": "jaxcomp.bench.recipes",    # each method's jaxcomp.recipe as a table
     "twolevel": "jaxcomp.bench.twolevel",  # flat vs two-level compression on 8 nodes x 8 devices
+    "scale": "jaxcomp.bench.scale",        # gather vs scatter exchange at N = 8 ... 1024
 }
 
 

@@ -39,7 +39,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-DEFAULT_METHODS = ("none", "fp16", "powersgd", "acpsgd", "topk", "topk[chunked]", "randomk",
+DEFAULT_METHODS = ("none", "fp16", "bf16", "powersgd", "acpsgd", "topk", "topk[chunked]", "randomk",
                    "signsgd", "qsgd", "dgc")
 
 # Compute time per step (forward + backward) on one V100, seconds, with where it comes from.
@@ -363,6 +363,7 @@ def main(argv=None) -> None:
       print(f"# measured {model} {label}", file=sys.stderr, flush=True)
     jax.clear_caches()
 
+  compress: dict[str, dict] = {}  # model -> method -> (round trip, decode) seconds, for the scale table
   for model in models:
     shapes = shp.MODELS[model]()
     nvalues = shp.count(shapes)
@@ -394,6 +395,7 @@ def main(argv=None) -> None:
           dec = max(0.0, d) / rt["copy_seconds"] * scale if args.compress == "scaled" else max(0.0, d)
       gathered = tot["all-gather"] > 0
       inputs[label] = (tr["collectives"], comp, dec, gathered, tot)
+      compress.setdefault(model, {})[label] = (comp, dec)
       eq = _agreement(tot["total"], tr["nominal"], factory, kw, split(shapes, not args.by_shape))
       dec_txt = ("n/a" if not gathered else
                  ("not measured" if rec.get("decode") is None and args.compress != "zero" else f"{dec * 1e3:.2f}"))
@@ -424,6 +426,13 @@ def main(argv=None) -> None:
         print(f"{label:<14} " + " ".join(cells))
   if cache.hits:
     print(f"\n({cache.hits} measurements read from the cache {args.cache}; --remeasure to redo them)")
+  from jaxcomp.bench import scale  # both exchanges at N = 8 ... 1024
+
+  labels = [label for label, _, _ in entries]
+  print(f"\nBoth exchanges at scale (python -m jaxcomp.bench scale), N = {scale.WORKERS}, with the compression"
+        " times above (gather: N - 1 decodes per step; scatter: two):")
+  print(scale.table(tuple(models), [m for m in scale.METHODS if m in labels], latency_us=args.latency_us,
+                    compress=compress))
   from jaxcomp.bench import twolevel  # compressing between nodes only (dense_axis_name)
 
   print("\nTwo levels (python -m jaxcomp.bench twolevel):\n")

@@ -125,6 +125,10 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="also train every method at its learning rate times "
                       f"{', '.join(f'{x:g}' for x in TUNE_SCALES if x != 1.0)} and print the best beside"
                       " the default (a second table, tune.md)")
+  p.add_argument("--exchange", default="gather", choices=("gather", "scatter"),
+                 help="how gathered payloads travel (default gather); scatter: all-to-all of 1/N chunks,"
+                      " reduce, all-gather of the re-compressed chunks (methods without a scatter form"
+                      " keep theirs: powersgd, acpsgd, sbc)")
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
   p.add_argument("--replot", action="store_true",
                  help="only redraw the figures from OUT/results.json (no training)")
@@ -176,6 +180,15 @@ def _predict(netsim, r: Result, dense: Result, latency: float) -> Dict[str, floa
   return out
 
 
+def _scatters(factory) -> bool:
+  """Whether the method has a scatter form (``exchange="scatter"``); PowerSGD, ACP-SGD and SBC do not."""
+  try:
+    factory(axis_name="data", exchange="scatter")
+  except ValueError:
+    return False
+  return True
+
+
 def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args, net,
                 progress: bool, base_lr: Optional[float] = None) -> Result:
   """Trains ``name`` for ``args.steps``; ``base_lr``: the recipe's dense learning rate (``args.lr``)."""
@@ -187,12 +200,14 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   from jaxcomp.bench import data, model
 
   res = Result(name, lr, momentum)
+  kw = {"exchange": "scatter"} if getattr(args, "exchange", "gather") == "scatter" and _scatters(factory) else {}
   if args.plain:
-    comp = factory(axis_name="data")
+    comp = factory(axis_name="data", **kw)
     tx = optax.chain(comp, optax.sgd(lr, momentum=momentum or None))
   else:  # the method's recipe in place of sgd(lr, momentum)
-    comp = jaxcomp.recipe_method(name, axis_name="data", momentum=MOMENTUM)
-    tx = jaxcomp.recipe(name, args.lr if base_lr is None else base_lr, axis_name="data", momentum=MOMENTUM)
+    comp = jaxcomp.recipe_method(name, axis_name="data", momentum=MOMENTUM, **kw)
+    tx = jaxcomp.recipe(name, args.lr if base_lr is None else base_lr, axis_name="data", momentum=MOMENTUM,
+                        **kw)
 
   def step(p, s, x, y):
     loss, g = jax.value_and_grad(model.loss_fn)(p, net, x, y)
@@ -214,7 +229,8 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
     steady = jaxcomp.steady(comp)
     hlo = jax.pmap(lambda g, s: steady.update(g, s)[0], axis_name="data").lower(
         P, jaxcomp.per_worker(steady.init(params), WORKERS)).compile().as_text()
-    res.mean_bytes = float(np.mean([jaxcomp.wire_bytes(comp, params, step=t) for t in range(args.steps)]))
+    res.mean_bytes = float(np.mean([jaxcomp.wire_bytes(comp, params, step=t, workers=WORKERS)
+                                    for t in range(args.steps)]))
     res.warmup_steps = max([method.start_step] + [first for first, _ in method.stages])
   wire = jaxcomp.collective_bytes(hlo)
   res.wire_bytes, res.collectives = wire["total"], wire["count"]
@@ -224,7 +240,7 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   if netsim is not None:
     res.traffic = [list(t) for t in netsim.collectives(hlo)]
   try:
-    res.nominal_bytes = int(jaxcomp.wire_bytes(comp, params))
+    res.nominal_bytes = int(jaxcomp.wire_bytes(comp, params, workers=WORKERS))
   except TypeError:
     res.nominal_bytes = -1
 
@@ -463,7 +479,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
            f" {sorted(k for k in LR_SCALE if k in names)}, no momentum for"
            f" {sorted(k for k in MOMENTUM_OVERRIDE if k in names)})" if args.plain else
            f"each method's jaxcomp.recipe(name, {args.lr:g}) in place of sgd({args.lr:g}, momentum={MOMENTUM:g})")
-        + f"; seed {args.seed};"
+        + f"; exchange {args.exchange}; seed {args.seed};"
         f" {os.cpu_count()} CPU cores; jax {jax.__version__}")
   print(f"methods ({len(names)}): {', '.join(names)}", flush=True)
 

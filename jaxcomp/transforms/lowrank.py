@@ -168,6 +168,7 @@ class PowerSGDExchange(Exchange):
   :meth:`warm_start`).
   """
 
+  psums = True  # its factors travel by all-reduce (for jaxcomp.scatter.traffic)
   rank: int
   eps: float = 1e-8
   # A NaN/Inf in a matrix reaches its P row, the orthogonalized P and every
