@@ -14,6 +14,10 @@ keeps the all-reduce structure, as DeepSpeed ZeRO++'s qgZ and torch_cgx do:
    one ``all_gather`` gives every worker the N compressed mean chunks, which
    everyone decodes alike: replicas stay bit-identical.
 
+A majority vote (signSGD, Signum) reaches phase 2 as -1, 0 or +1 per entry;
+the owner sends it in 2 bits (:class:`jaxcomp.transforms.sign.VoteCodec`,
+exact), not as a sign that would turn a tie into +1.
+
 Each worker hands ``(N + 1)`` chunk payloads to collectives and receives
 about ``2 (N - 1) / N`` of one bucket's payload: flat in N.
 
@@ -119,6 +123,7 @@ class ScatterExchange:
     dec_key = jax.random.fold_in(key1, me)  # the encode key of chunk me where keys are shared
     mean = codec.aggregate(received, dec_key, cs, n)
     # phase 2: the owner's mean chunk, compressed again with its residual, to everyone
+    codec2 = getattr(codec, "owner_codec", codec)  # a vote's ties need a third value
     start = me * c
     mine = lax.dynamic_slice_in_dim(jnp.pad(owner, (0, n * c - length)), start, c)
     # entries of no leaf (segment and bucket padding) hold nothing: a codec may decode them nonzero
@@ -126,9 +131,9 @@ class ScatterExchange:
     y = jnp.where(inside, mean.astype(jnp.float32), 0.0) + mine
     keys2 = jax.vmap(lambda j: jax.random.fold_in(key2, j))(jnp.arange(n))
     key_me = jax.random.fold_in(key2, me)
-    gathered = packing.from_bytes(ops.allgather(packing.to_bytes(codec.encode(y, key_me, cs)), ctx.axis),
-                                  like)
-    chunks = _batched(lambda p, k: codec.decode(p, k, cs), codec, gathered, keys2).astype(jnp.float32)
+    payload2 = codec2.encode(y, key_me, cs)
+    gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload2), ctx.axis), payload2)
+    chunks = _batched(lambda p, k: codec2.decode(p, k, cs), codec2, gathered, keys2).astype(jnp.float32)
     out = chunks.reshape(-1)[:length]
     sent = lax.dynamic_index_in_dim(chunks, me, keepdims=False)  # what every worker applied of chunk me
     kept = jnp.where(inside, y - sent, 0.0)
@@ -140,13 +145,19 @@ class ScatterExchange:
     if workers is None:
       raise ValueError("exchange='scatter' sends chunk payloads whose size depends on the number of"
                        " workers; pass workers=N (jaxcomp.wire_bytes(tx, params, workers=N))")
-    return (workers + 1) * chunk_payload_bytes(self, segs.length, workers)
+    first, second = chunk_payload_bytes(self, segs.length, workers)
+    return workers * first + second
 
 
-def chunk_payload_bytes(ex: ScatterExchange, length: int, workers: int) -> int:
-  """Bytes of one chunk's payload."""
-  cs = chunk_segments(length, workers, ex.block)
+def chunk_payload_bytes(ex: ScatterExchange, length: int, workers: int) -> tuple:
+  """Bytes of one chunk's payload in phase 1 and in phase 2 (the owner's, of its reduced chunk)."""
   codec = ex.inner.codec if hasattr(ex.inner, "codec") else ex.inner.scatter_codec(None)
+  return _payload_bytes(codec, length, workers, ex.block), \
+      _payload_bytes(getattr(codec, "owner_codec", codec), length, workers, ex.block)
+
+
+def _payload_bytes(codec, length: int, workers: int, block: int) -> int:
+  cs = chunk_segments(length, workers, block)
   x = jax.ShapeDtypeStruct((cs.length,), jnp.float32)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
   shapes = jax.eval_shape(lambda x, k: codec.encode(x, k, cs), x, key)
@@ -207,8 +218,8 @@ def traffic(tx: Any, params: Any, workers: int) -> list:
   for b in steady.buckets(params):
     ex = b.exchange
     if isinstance(ex, ScatterExchange):
-      p = chunk_payload_bytes(ex, b.length, workers)
-      out += [("all-to-all", workers * p), ("all-gather", p)]
+      first, second = chunk_payload_bytes(ex, b.length, workers)
+      out += [("all-to-all", workers * first), ("all-gather", second)]
     elif isinstance(ex, core.CodecExchange) and ex.codec.linear or getattr(ex, "psums", False):
       out.append(("all-reduce", ex.bucket_wire_bytes(b.segments)))
     else:

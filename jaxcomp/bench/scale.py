@@ -11,6 +11,8 @@ collectives of one kind fused into 25 MB buckets) with the compute times of
 ``python -m jaxcomp.bench network``. Alone, this table prices compute +
 communication; ``python -m jaxcomp.bench network`` prints it again with each
 method's measured compression time (gather: N - 1 decodes; scatter: two).
+Then the bytes each worker receives, measured from the compiled pmap steps of
+the main job's CNN at N = 2, 4, 8 (``--no-measure`` skips them).
 """
 
 from __future__ import annotations
@@ -108,6 +110,43 @@ def table(models: Sequence[str] = ("resnet50", "bert-base"), methods: Sequence[s
   return "\n".join(lines)
 
 
+def measured(methods: Sequence[str] = ("qsgd", "signsgd", "topk"), workers: Sequence[int] = (2, 4, 8)) -> str:
+  """Bytes each worker receives per step, from the compiled pmap step of the main job's CNN at N = ``workers``.
+
+  Every collective priced as a ring (:func:`jaxcomp.received_bytes`); the
+  program holds the whole update (the method only, no model).
+  """
+  import jax
+  import jax.numpy as jnp
+
+  import jaxcomp
+  from jaxcomp.bench import model
+
+  params = model.init_params(model.CNN(), (28, 28, 1))
+  lines = [f"\nMeasured from the compiled program (main job CNN, {model.num_params(params):,} parameters):"
+           " bytes each worker receives per step (ring collectives)",
+           f"{'method':<18} " + " ".join(f"{f'N={n}':>10}" for n in workers)
+           + f" {f'N={workers[-1]}/N={workers[-2]}':>12} {'scatter/gather':>15}"]
+
+  def received(tx, n):
+    lead = lambda a: jnp.broadcast_to(a, (n,) + jnp.shape(a))  # noqa: E731
+    step = jax.pmap(lambda g, s: tx.update(g, s), axis_name="data", devices=jax.devices()[:n])
+    hlo = step.lower(jax.tree.map(lead, params), jax.tree.map(lead, tx.init(params))).compile().as_text()
+    return jaxcomp.collective_bytes(hlo)["received"]
+
+  for m in ["none"] + list(methods):
+    got = {}
+    for ex in (("gather",) if m == "none" else ("gather", "scatter")):
+      tx = jaxcomp.steady(jaxcomp.METHODS[m](axis_name="data", exchange=ex))
+      got[ex] = [received(tx, n) for n in workers]
+    for ex, r in got.items():
+      vs = f"{r[-1] / got['gather'][-1]:.2f}" if ex == "scatter" else "-"
+      lines.append(f"{f'{m} {ex}':<18} " + " ".join(f"{b:>10,}" for b in r) + f" {r[-1] / r[-2]:>12.2f}"
+                   + f" {vs:>15}")
+  jax.clear_caches()
+  return "\n".join(lines)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench scale", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,7 +155,11 @@ def main(argv=None) -> None:
   parser.add_argument("--workers", default=",".join(map(str, WORKERS)))
   parser.add_argument("--gbps", default=",".join(f"{b:g}" for b in GBPS))
   parser.add_argument("--latency-us", type=float, default=10.0)
+  parser.add_argument("--no-measure", action="store_true", help="skip the compiled programs at N = 2, 4, 8")
   args = parser.parse_args(argv)
+  import jaxcomp
+
+  jaxcomp.cpu_devices(8)  # before any JAX work (the measured programs run on 8 CPU devices)
   from jaxcomp.bench.kernels import header
 
   command = "python -m jaxcomp.bench scale " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -124,6 +167,8 @@ def main(argv=None) -> None:
   print(table([m for m in args.models.split(",") if m], [m for m in args.methods.split(",") if m],
               [int(n) for n in args.workers.split(",")], [float(b) for b in args.gbps.split(",")],
               args.latency_us))
+  if not args.no_measure:
+    print(measured())
 
 
 if __name__ == "__main__":

@@ -86,6 +86,37 @@ class SignCodec(Codec):
     scales, words = gathered
     return majority_vote(words, segs.length, self.ties) * segs.spread(jnp.mean(scales, axis=0))
 
+  @property
+  def owner_codec(self) -> Codec:
+    """What a chunk owner sends of its vote under ``exchange="scatter"``: a tie's 0 needs a third value."""
+    return VoteCodec(self.scaled) if self.ties == "zero" else self
+
+
+@dataclasses.dataclass(frozen=True)
+class VoteCodec(Codec):
+  """A vote in {-1, 0, +1} (times one float32 scale per segment), 2 bits per entry: exact on votes.
+
+  The scatter exchange's second phase for the majority vote of :class:`SignCodec`.
+  """
+
+  scaled: bool = False
+
+  @property
+  def block(self) -> int:
+    return 128 if self.scaled else 1
+
+  def encode(self, x, key, segs):
+    scale = segs.max(jnp.abs(x)) if self.scaled else None
+    unit = x / segs.spread(jnp.where(scale > 0, scale, 1.0)) if self.scaled else x
+    fields = (jnp.clip(jnp.round(unit), -1, 1) + 1).astype(jnp.uint8)
+    words = packing.pack(fields, 2)
+    return (scale, words) if self.scaled else words
+
+  def decode(self, payload, key, segs):
+    scale, words = payload if self.scaled else (None, payload)
+    vote = packing.unpack(words, 2, segs.length).astype(jnp.float32) - 1.0
+    return segs.spread(scale) * vote if self.scaled else vote
+
 
 def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0, ties: str = "zero",
             bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
