@@ -897,6 +897,19 @@ def _guard_nonfinite(carried, x, mean, local, extra, state, axis, chunks=False):
   return mean, local, extra
 
 
+def compressor(tx: Any) -> Any:
+  """The jaxcomp transformation of ``tx``: ``tx`` itself, or a complete optimizer's ``tx.compressor``.
+
+  Complete optimizers that own their exchange (:func:`jaxcomp.onebit_adam`,
+  :func:`jaxcomp.demo`) carry the jaxcomp transformation that moves their
+  payload as ``.compressor``, so :func:`wire_bytes` and the benches read it.
+  """
+  if isinstance(getattr(tx, "method", None), Method):
+    return tx
+  inner = getattr(tx, "compressor", None)
+  return inner if isinstance(getattr(inner, "method", None), Method) else tx
+
+
 def wire_bytes(tx: Any, params: Any, step: int | None = None, workers: int | None = None) -> int:
   """Nominal payload bytes one worker sends per step with ``tx`` for ``params``.
 
@@ -908,7 +921,9 @@ def wire_bytes(tx: Any, params: Any, step: int | None = None, workers: int | Non
   the steady state (the last stage). ``workers``: the number of workers N,
   needed with ``exchange="scatter"``, whose worker hands N chunk payloads to
   an all-to-all and one to an all-gather (each about 1/N of the bucket's).
+  A complete optimizer (``onebit_adam``, ``demo``) counts its ``.compressor``.
   """
+  tx = compressor(tx)
   method = getattr(tx, "method", None)
   if not isinstance(method, Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
@@ -926,6 +941,7 @@ def steady(tx: Any) -> CompressionTransformation:
   collectives, where ``tx``'s holds every stage's); ``tx`` itself is returned
   when it has no warm-up. The state is alike, so one carries over to the other.
   """
+  tx = compressor(tx)
   method = getattr(tx, "method", None)
   if not isinstance(method, Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")

@@ -205,6 +205,7 @@ def traffic(tx: Any, params: Any, workers: int) -> list:
   """
   from jaxcomp import core  # noqa: PLC0415 - core imports this module
 
+  tx = core.compressor(tx)
   method = getattr(tx, "method", None)
   if not isinstance(method, core.Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
