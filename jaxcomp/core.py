@@ -897,6 +897,19 @@ def _guard_nonfinite(carried, x, mean, local, extra, state, axis, chunks=False):
   return mean, local, extra
 
 
+class CompressedOptimizer(optax.GradientTransformationExtraArgs):
+  """A complete optimizer that owns its exchange; ``.compressor`` is the jaxcomp transformation inside."""
+
+  compressor: Any
+
+
+def compressed_optimizer(tx: optax.GradientTransformation, compressor_: Any) -> CompressedOptimizer:
+  """``tx`` (e.g. an ``optax.chain``) labelled with the jaxcomp transformation that moves its payload."""
+  out = CompressedOptimizer(tx.init, tx.update)
+  out.compressor = compressor_
+  return out
+
+
 def compressor(tx: Any) -> Any:
   """The jaxcomp transformation of ``tx``: ``tx`` itself, or a complete optimizer's ``tx.compressor``.
 
