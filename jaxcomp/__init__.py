@@ -9,6 +9,7 @@ from jaxcomp.collectives.wire import collective_bytes, measure_wire_bytes
 from jaxcomp.core import (CompressState, CompressionTransformation, Method, build, configure, memory_tree, staged, steady,
                           wire_bytes, wire_bytes_by_axis)
 from jaxcomp.collectives.wire import received_bytes
+from jaxcomp.adam import onebit_adam, scale_by_onebit_adam
 from jaxcomp.devices import cpu_devices
 from jaxcomp.scatter import EXCHANGES, traffic
 from jaxcomp.memories import ef21, momentum_correction
@@ -52,4 +53,5 @@ __all__ = [
     "CompressState", "CompressionTransformation", "Method", "METHODS", "build",
     "collective_bytes", "configure", "staged", "data_parallel", "DataParallel", "steady", "wire_bytes_by_axis", "ratio_warmup", "warmup_stages", "cpu_devices", "ef21", "momentum_correction", "recipe", "recipe_method", "recipes", "dgc_warmup_schedule", "local", "measure_wire_bytes", "memory_tree",
     "per_worker", "stacked", "wire_bytes", "EXCHANGES", "traffic", "received_bytes",
+    "onebit_adam", "scale_by_onebit_adam",
 ] + sorted(METHODS)

@@ -1,0 +1,81 @@
+"""1-bit Adam: exact Adam during the warm-up, then a compressed momentum with the variance frozen."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, run_pmap,
+                     run_shard_map, worker_grads)
+
+PARAMS = {"w": jnp.zeros((64, 48)), "k": jnp.zeros((3, 3, 8, 16)), "b": jnp.zeros((48,))}
+LR = 1e-2
+
+
+def _run(tx, steps, run=run_pmap, state=None, seed0=0):
+  state = init_stacked(tx, PARAMS) if state is None else state
+  outs = []
+  for t in range(steps):
+    out, state = run(tx, worker_grads(PARAMS, seed=seed0 + t), state)
+    assert_replicas_equal(out)
+    outs.append(out)
+  return outs, state
+
+
+def test_warm_up_is_adam_on_the_mean_gradient_then_the_variance_freezes():
+  tx = jaxcomp.onebit_adam(LR, freeze_step=3, axis_name=AXIS)
+  outs, state = _run(tx, 5)
+  adam = optax.adam(LR)
+  s = adam.init(PARAMS)
+  for t in range(3):  # exact Adam while the exchange is dense
+    mean = jax.tree.map(lambda g: g.mean(0), worker_grads(PARAMS, seed=t))
+    want, s = adam.update(mean, s)
+    assert_trees_close(jax.tree.map(lambda o: o[0], outs[t]), want, rtol=2e-5, atol=1e-7)
+  adam_state = state[0]
+  _, mid = _run(tx, 3)
+  for a, b in zip(jax.tree.leaves(adam_state.nu), jax.tree.leaves(mid[0].nu)):  # frozen from step 3
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(np.asarray(adam_state.count)[0]) == 5
+
+
+def test_after_the_warm_up_the_momentum_travels_in_one_bit():
+  tx = jaxcomp.onebit_adam(LR, freeze_step=2, axis_name=AXIS)
+  outs_p, state_p = _run(tx, 4)
+  outs_s, state_s = _run(tx, 4, run=run_shard_map)
+  assert_trees_close(outs_p[-1], outs_s[-1], rtol=1e-6, atol=1e-7)
+  big = {"w": jnp.zeros((1024, 512)), "b": jnp.zeros((512,))}
+  dense = jaxcomp.wire_bytes(jaxcomp.none(axis_name=AXIS), big)
+  assert dense / jaxcomp.wire_bytes(tx, big, workers=N) >= 16
+  assert jaxcomp.wire_bytes(tx, big, step=0, workers=N) == dense + 4  # the warm-up: dense (and the flag)
+  for leaf in jax.tree.leaves(outs_p[-1]):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+def test_a_nan_step_is_skipped_and_keeps_the_moments():
+  tx = jaxcomp.onebit_adam(LR, freeze_step=1, axis_name=AXIS)
+  _, state = _run(tx, 2)
+  grads = worker_grads(PARAMS, seed=7)
+  grads["w"] = grads["w"].at[3, 1, 1].set(jnp.nan)
+  out, after = run_pmap(tx, grads, state)
+  for leaf in jax.tree.leaves(out):
+    assert np.all(np.isnan(np.asarray(leaf)))
+  for a, b in zip(jax.tree.leaves((after[0].mu, after[0].nu, after[0].count)),
+                  jax.tree.leaves((state[0].mu, state[0].nu, state[0].count))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  out, _ = run_pmap(tx, worker_grads(PARAMS, seed=8), after)
+  for leaf in jax.tree.leaves(out):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+def test_bad_arguments_are_named():
+  with pytest.raises(ValueError, match="codec must be one of"):
+    jaxcomp.onebit_adam(LR, codec="twobit")
+  with pytest.raises(ValueError, match="freeze_step must be"):
+    jaxcomp.onebit_adam(LR, freeze_step=-1)
+  with pytest.raises(ValueError, match="b2 must be in"):
+    jaxcomp.onebit_adam(LR, b2=1.0)
+  with pytest.raises(ValueError, match="not available for powersgd"):
+    jaxcomp.onebit_adam(LR, codec="powersgd", axis_name=AXIS)
+  assert jaxcomp.onebit_adam(LR, codec="powersgd", exchange="gather", axis_name=AXIS).compressor.exchange == "gather"
