@@ -56,6 +56,24 @@ def test_every_recipe_lands_within_2_points_of_dense(name, digits, dense_accurac
   assert acc >= dense_accuracy - 0.02
 
 
+ADAMW_LR = 3e-3
+
+
+@pytest.fixture(scope="module")
+def dense_adamw_accuracy(digits):
+  return _accuracy(jaxcomp.recipe("none", ADAMW_LR, axis_name=AXIS, optimizer="adamw"), digits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(jaxcomp.recipes.ADAMW_RECIPES) - {"none"}))
+def test_every_adamw_recipe_lands_within_2_points_of_dense_adamw(name, digits, dense_adamw_accuracy):
+  kw = {} if jaxcomp.recipes.ADAMW_RECIPES[name].kind == "optimizer" else {"min_size": 1024}
+  tx = jaxcomp.recipe(name, ADAMW_LR, axis_name=AXIS, optimizer="adamw", **kw)
+  acc = _accuracy(tx, digits)
+  print(f"{name}: {100 * acc:.1f}% (dense AdamW {100 * dense_adamw_accuracy:.1f}%)")
+  assert acc >= dense_adamw_accuracy - 0.02
+
+
 def test_recipes_cover_every_method_and_say_why():
   assert set(jaxcomp.recipes.RECIPES) == set(jaxcomp.METHODS)
   for name, r in jaxcomp.recipes.RECIPES.items():
@@ -66,3 +84,10 @@ def test_recipes_cover_every_method_and_say_why():
   assert isinstance(tx.method.memory, jaxcomp.memories.MomentumCorrection)
   with pytest.raises(ValueError, match="optimizer"):
     jaxcomp.recipe("topk", 0.1, optimizer="adam")
+  assert set(jaxcomp.METHODS) <= set(jaxcomp.recipes.ADAMW_RECIPES)
+  for name, r in jaxcomp.recipes.ADAMW_RECIPES.items():
+    assert r.kind in ("grad", "ef21", "momentum", "sign", "after", "optimizer") and r.why, name
+  opt = jaxcomp.recipe("topk", 3e-3, axis_name=AXIS, optimizer="adamw")
+  assert isinstance(jaxcomp.recipe_method("threshold", axis_name=AXIS, optimizer="adamw").method.memory,
+                    jaxcomp.memories.EF21)
+  assert opt.compressor.method.name == "topk" and opt.compressor.method.start_step == 100  # 1-bit Adam's freeze

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "recipes": "jaxcomp.bench.recipes",    # each method's jaxcomp.recipe as a table
     "twolevel": "jaxcomp.bench.twolevel",  # flat vs two-level compression on 8 nodes x 8 devices
     "scale": "jaxcomp.bench.scale",        # gather vs scatter exchange at N = 8 ... 1024
+    "lm": "jaxcomp.bench.lm",  # the transformer language model task
 }
 
 

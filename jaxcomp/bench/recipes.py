@@ -1,4 +1,4 @@
-"""``python -m jaxcomp.bench recipes``: the recipe of every method as a markdown table (for the README)."""
+"""``python -m jaxcomp.bench recipes``: every method's recipes (sgd and AdamW) as markdown tables (for the README)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,38 @@ def table(momentum: float = 0.9) -> str:
   return "\n".join(rows)
 
 
+def adamw_table() -> str:
+  """Each method's ``recipe(name, lr, optimizer="adamw")``: where its codec sits, and why."""
+  from jaxcomp.recipes import ADAMW_RECIPES
+
+  chains = {
+      "grad": "chain(method, adamw(lr))",
+      "ef21": "chain(configure(method, memory=ef21()), adamw(lr))",
+      "momentum": "onebit_adam(lr, codec=method)",
+      "sign": "chain(method, add_decayed_weights(wd), scale_by_learning_rate(lr))",
+      "after": "chain(adamw(lr), method)",
+      "optimizer": "the optimizer itself",
+  }
+  rows = ["| method | AdamW recipe | lr | settings | warm-up | why |", "|---|---|---|---|---|---|"]
+  for name, r in ADAMW_RECIPES.items():
+    settings = ", ".join(f"{k}={v!r}" for k, v in r.method_kwargs) or "defaults"
+    lr = "lr" if r.lr_scale == 1.0 else f"{r.lr_scale:g} x lr"
+    if r.kind in ("momentum", "optimizer"):
+      warm = f"exact Adam to step {r.start_step}, then variance frozen" if r.start_step else "-"
+    else:
+      warm = f"dense to step {r.start_step}" if r.start_step else "-"
+    rows.append(f"| `{name}` | `{chains[r.kind]}` | {lr} | {settings} | {warm} | {r.why} |")
+  return "\n".join(rows)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench recipes", description=__doc__)
-  parser.parse_args(argv)
-  print(table())
+  parser.add_argument("--optimizer", default="both", choices=("sgd", "adamw", "both"))
+  args = parser.parse_args(argv)
+  if args.optimizer in ("sgd", "both"):
+    print(table())
+  if args.optimizer in ("adamw", "both"):
+    print(("\n" if args.optimizer == "both" else "") + adamw_table())
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ MOMENTUM_OVERRIDE = {"dgc": 0.0, "signum": 0.0}
 TUNE_SCALES = (0.25, 0.5, 1.0, 2.0, 4.0)
 NETWORK_GBPS = (1, 10, 100)
 NETWORK_WORKERS = (8, 32)
+TASKS = ("cnn", "lm")  # --task: this CNN benchmark, or the transformer language model (jaxcomp.bench.lm)
 
 
 @dataclasses.dataclass
@@ -130,6 +131,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       " reduce, all-gather of the re-compressed chunks (methods without a scatter form"
                       " keep theirs: powersgd, acpsgd, sbc)")
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
+  p.add_argument("--task", default="cnn", choices=TASKS,
+                 help="cnn: this benchmark (default); lm: the transformer language model"
+                      " (jaxcomp.bench.lm, its own options: --task lm --help)")
   p.add_argument("--replot", action="store_true",
                  help="only redraw the figures from OUT/results.json (no training)")
   args = p.parse_args(argv)
@@ -140,6 +144,14 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   if args.lr <= 0:
     p.error(f"--lr must be > 0, got {args.lr}")
   return args
+
+
+def _task(argv: Sequence[str]):
+  """(``--task``'s value, the other arguments)."""
+  p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+  p.add_argument("--task", default="cnn", choices=TASKS)
+  known, rest = p.parse_known_args(argv)
+  return known.task, rest
 
 
 def _select(methods: Dict[str, Any], spec: str) -> List[str]:
@@ -451,7 +463,13 @@ def replot(out: str) -> List[str]:
   return _figures(results, out, saved["meta"]["steps"])
 
 
-def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
+def main(argv: Optional[Sequence[str]] = None) -> List[Any]:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  task, rest = _task(argv)
+  if task == "lm":  # the transformer task takes the other arguments (jaxcomp.bench.lm)
+    from jaxcomp.bench import lm
+
+    return lm.main(rest)
   args = _parse(argv)
   if args.replot:
     print("wrote " + ", ".join(replot(args.out)))
