@@ -9,7 +9,7 @@ from jaxcomp.collectives.wire import collective_bytes, measure_wire_bytes
 from jaxcomp.core import (CompressState, CompressionTransformation, Method, build, configure, memory_tree, staged, steady,
                           wire_bytes, wire_bytes_by_axis)
 from jaxcomp.collectives.wire import received_bytes
-from jaxcomp.adam import onebit_adam, scale_by_onebit_adam
+from jaxcomp.adam import onebit_adam, scale_by_onebit_adam, zero_one_adam
 from jaxcomp.devices import cpu_devices
 from jaxcomp.scatter import EXCHANGES, traffic
 from jaxcomp.memories import ef21, momentum_correction
@@ -20,6 +20,7 @@ from jaxcomp.sharding import local, per_worker, stacked
 from jaxcomp.warmup import ratio_warmup, warmup_stages
 from jaxcomp.transforms.acpsgd import acpsgd
 from jaxcomp.transforms.codes import inceptionn, sketchml
+from jaxcomp.transforms.demo import demo
 from jaxcomp.transforms.dense import bf16, fp16, none
 from jaxcomp.transforms.dgc import dgc, warmup_schedule as dgc_warmup_schedule
 from jaxcomp.transforms.lowrank import powersgd
@@ -53,5 +54,5 @@ __all__ = [
     "CompressState", "CompressionTransformation", "Method", "METHODS", "build",
     "collective_bytes", "configure", "staged", "data_parallel", "DataParallel", "steady", "wire_bytes_by_axis", "ratio_warmup", "warmup_stages", "cpu_devices", "ef21", "momentum_correction", "recipe", "recipe_method", "recipes", "dgc_warmup_schedule", "local", "measure_wire_bytes", "memory_tree",
     "per_worker", "stacked", "wire_bytes", "EXCHANGES", "traffic", "received_bytes",
-    "onebit_adam", "scale_by_onebit_adam",
+    "onebit_adam", "scale_by_onebit_adam", "demo", "zero_one_adam",
 ] + sorted(METHODS)

@@ -1,4 +1,6 @@
-"""1-bit Adam: exact Adam while the variance warms up, then a compressed momentum with the variance frozen.
+"""1-bit Adam and 0/1 Adam: Adam whose variance freezes, so that what travels can be 1 bit.
+
+1-bit Adam: exact Adam while the variance warms up, then a compressed momentum with the variance frozen.
 
 Tang et al. (ICML 2021) observe that Adam's variance ``v`` stabilises early
 in training; once it is frozen, Adam's update ``m / (sqrt(v) + eps)`` is
@@ -24,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import CompressionTransformation, compressed_optimizer, configure
@@ -138,3 +141,181 @@ def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: floa
   tx = optax.chain(scale_by_onebit_adam(compressor, b1, b2, eps, freeze_step), *decay,
                    optax.scale_by_learning_rate(learning_rate))
   return compressed_optimizer(tx, compressor)
+
+
+# ----------------------------------------------------------------------------
+# 0/1 Adam
+
+
+class ZeroOneAdamState(NamedTuple):
+  """State of :func:`zero_one_adam` (arrays only).
+
+  ``count``: every step so far (int32; it drives the schedules, so all workers
+  agree on what each step does); ``mu``, ``nu``: float32 moments;
+  ``var_updates``: updates of ``nu`` so far (its bias correction);
+  ``var_interval``, ``var_counter``: the variance schedule; ``local_interval``,
+  ``local_counter``: the local-step schedule; ``lrs``: the learning rates
+  summed since the last sync; ``anchor``: the parameters at the last sync
+  (float32); ``exchange``: the state of the 1-bit exchange.
+  """
+
+  count: jax.Array
+  mu: Any
+  nu: Any
+  var_updates: jax.Array
+  var_interval: jax.Array
+  var_counter: jax.Array
+  local_interval: jax.Array
+  local_counter: jax.Array
+  lrs: jax.Array
+  anchor: Any
+  exchange: Any
+
+
+def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                  weight_decay: float = 0.0, var_freeze_step: int = 100000, var_update_scaler: int = 16,
+                  local_step_scaler: int = 32678, local_step_clipper: int = 16, axis_name: AxisName = None,
+                  codec: str = "onebit", exchange: str = "scatter", seed: int = 0, **codec_kwargs):
+  """0/1 Adam: adaptive variance freezing and skipped rounds, a complete optax optimizer.
+
+  Until ``var_freeze_step`` the variance is updated only at steps that are
+  multiples of an interval which doubles every ``var_update_scaler``
+  updates; those steps average the gradient densely (exact Adam), the
+  others exchange it through the 1-bit ``codec`` (with its error feedback)
+  and leave ``nu`` frozen, so Adam's update stays linear in what was sent.
+  After ``var_freeze_step`` the workers take local Adam steps with their own
+  gradient and the frozen ``nu``, and synchronise every ``local_interval``
+  steps (doubling every ``local_step_scaler`` steps, at most
+  ``local_step_clipper``): the displacement since the last sync, in
+  momentum units (times ``sqrt(nu) + eps``), goes through the 1-bit exchange
+  (its error feedback restarted at the freeze); every worker moves to
+  ``anchor + mean / (sqrt(nu) + eps)`` and restarts its momentum from the
+  mean. Rounds in between send nothing.
+
+  Between syncs the replicas differ (each took its own local steps); every
+  sync brings them to the same ``anchor`` (kept in the state, so no drift
+  accumulates; the update ``target - params`` may leave an ulp). A
+  non-finite step outputs NaN and keeps the moments (during local steps on
+  that worker only); the schedules advance on every worker alike.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1, b2, eps: Adam's.
+    weight_decay: decoupled weight decay (``update`` needs ``params``; it
+      always does, for the anchor).
+    var_freeze_step: the step from which the variance is frozen for good and
+      local steps begin (DeepSpeed's default 100000).
+    var_update_scaler: variance updates per interval before it doubles (16).
+    local_step_scaler: steps before the local interval doubles (32678).
+    local_step_clipper: the largest local interval (16).
+    axis_name, codec, exchange, seed, **codec_kwargs: the 1-bit exchange, as
+      :func:`onebit_adam`.
+
+  Returns:
+    An optax ``GradientTransformation`` with ``.compressor``.
+
+  References:
+    Lu, Li, Zhang, Tang & He, *Maximizing Communication Efficiency for
+    Large-scale Training via 0/1 Adam*, ICLR 2023, Algorithm 1; DeepSpeed's
+    ``ZeroOneAdam``.
+  """
+  from jaxcomp import METHODS  # the registry imports the factories
+  from jaxcomp.collectives import ops
+  from jaxcomp.collectives.axis import current_axis
+
+  codec = _args.choice("codec", codec, tuple(m for m in METHODS if m != "none"))
+  b1, b2 = _args.unit_interval("b1", b1), _args.unit_interval("b2", b2)
+  eps = _args.positive("eps", eps)
+  weight_decay = _args.positive("weight_decay", weight_decay, allow_zero=True)
+  var_freeze_step = _args.integer("var_freeze_step", var_freeze_step, 0, 2 ** 31 - 1)
+  var_update_scaler = _args.integer("var_update_scaler", var_update_scaler, 1)
+  local_step_scaler = _args.integer("local_step_scaler", local_step_scaler, 1)
+  local_step_clipper = _args.integer("local_step_clipper", local_step_clipper, 1)
+  if not callable(learning_rate):
+    _args.positive("learning_rate", learning_rate)
+  factory = METHODS[codec]
+  if "seed" in inspect.signature(factory).parameters:
+    codec_kwargs["seed"] = seed
+  compressor = factory(axis_name=axis_name, exchange=exchange, **codec_kwargs)
+  i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
+
+  def init(params):
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    anchor = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    return ZeroOneAdamState(i32(0), zeros, zeros, i32(0), i32(1), i32(0), i32(1), i32(0),
+                            jnp.zeros((), jnp.float32), anchor, compressor.init(zeros))
+
+  def update(grads, state, params=None):
+    if params is None:
+      raise ValueError("zero_one_adam needs the parameters: call tx.update(grads, state, params)")
+    axis = current_axis(axis_name)
+    lr = jnp.asarray(learning_rate(state.count) if callable(learning_rate) else learning_rate, jnp.float32)
+    g = jax.tree.map(lambda x: x.astype(jnp.float32), grads)
+    p = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    step = state.count + 1
+    frozen = state.count >= var_freeze_step
+    var_step = ~frozen & (step % state.var_interval == 0)
+    sync = frozen & (step % state.local_interval == 0)
+    branch = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1))
+    ex0 = state.exchange
+    restart = state.count == var_freeze_step  # the exchange's error feedback restarts at the freeze
+    ex0 = ex0._replace(memory=jax.tree.map(lambda a: jnp.where(restart, 0, a), ex0.memory),
+                       extra=jax.tree.map(lambda a: jnp.where(restart, 0, a), ex0.extra))
+    var_updates = state.var_updates + var_step.astype(jnp.int32)
+    bc2 = 1.0 - b2 ** jnp.maximum(var_updates, 1).astype(jnp.float32)
+    bc1 = jnp.where(frozen, 1.0, 1.0 - b1 ** step.astype(jnp.float32))
+    anchor0 = jax.tree.map(lambda a, x: jnp.where(restart, x, a), state.anchor, p)
+
+    def adam_step(mu, nu):
+      decay = (lambda x: weight_decay * x) if weight_decay else (lambda x: 0.0)  # noqa: E731
+      return jax.tree.map(lambda m, v, x: -lr * ((m / bc1) / (jnp.sqrt(v / bc2) + eps) + decay(x)), mu, nu, p)
+
+    def averaged(mean, ex, nu_of):  # phase A: the mean gradient reached every worker
+      mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, mean)
+      nu = jax.tree.map(nu_of, state.nu, mean)
+      return mu, nu, adam_step(mu, nu), state.anchor, state.lrs, ex
+
+    def dense(ex):
+      mean = jax.tree.map(lambda x: x / axis.size, ops.allreduce_sum(g, axis))
+      return averaged(mean, ex, lambda v, x: b2 * v + (1.0 - b2) * x * x)
+
+    def compressed(ex):
+      mean, ex = compressor.update(g, ex)
+      return averaged(mean, ex, lambda v, x: v)
+
+    def local(ex):
+      mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, g)
+      return mu, state.nu, adam_step(mu, state.nu), anchor0, state.lrs + lr, ex
+
+    def local_sync(ex):
+      mu, nu, delta, anchor, lrs, _ = local(ex)
+      scale = jax.tree.map(lambda v: jnp.sqrt(v / bc2) + eps, nu)
+      moved = jax.tree.map(lambda x, d, a, s: (x + d - a) * s, p, delta, anchor, scale)  # -lr * sum(m)
+      mean, ex = compressor.update(moved, ex)
+      target = jax.tree.map(lambda a, u, s: a + u / s, anchor, mean, scale)
+      mu = jax.tree.map(lambda u: -u / lrs, mean)
+      delta = jax.tree.map(lambda t, x: t - x, target, p)
+      return mu, nu, delta, target, jnp.zeros((), jnp.float32), ex
+
+    branches = [lambda ex, f=f: ops.varying(f(ex), axis) for f in (dense, compressed, local, local_sync)]
+    mu, nu, delta, anchor, lrs, ex = lax.switch(branch, branches, ex0)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for d in jax.tree.leaves(delta)]
+                               or [jnp.array(True)]))
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    var_counter = jnp.where(var_step, state.var_counter + 1, state.var_counter)
+    double = var_counter == var_update_scaler
+    local_counter = jnp.where(frozen, state.local_counter + 1, state.local_counter)
+    grow = local_counter == local_step_scaler
+    new_state = ZeroOneAdamState(
+        count=optax.safe_int32_increment(state.count), mu=keep(mu, state.mu), nu=keep(nu, state.nu),
+        var_updates=jnp.where(finite, var_updates, state.var_updates),
+        var_interval=jnp.where(double, state.var_interval * 2, state.var_interval),
+        var_counter=jnp.where(double, 0, var_counter),
+        local_interval=jnp.where(grow, jnp.minimum(state.local_interval * 2, local_step_clipper),
+                                 state.local_interval),
+        local_counter=jnp.where(grow, 0, local_counter),
+        lrs=jnp.where(finite, lrs, state.lrs), anchor=keep(anchor, anchor0), exchange=ex)
+    out = jax.tree.map(lambda d, x: jnp.where(finite, d, jnp.nan).astype(x.dtype), delta, grads)
+    return out, new_state
+
+  return compressed_optimizer(optax.GradientTransformation(init, update), compressor)

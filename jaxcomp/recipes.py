@@ -171,6 +171,13 @@ ADAMW_RECIPES: dict[str, AdamWRecipe] = {
                           " (digits: 90.6% at 0.3 x lr, 97.2% at 1 x)"),
     "onebit_adam": AdamWRecipe("optimizer", "1-bit Adam itself: exact Adam for 50 steps, then 1 bit",
                                start_step=50),
+    "zero_one_adam": AdamWRecipe("optimizer", "0/1 Adam itself: variance updates at doubling intervals (16 per"
+                                 " interval) to step 100, then local steps syncing every 1, 2, 4, 8 steps"
+                                 " (doubling every 50)",
+                                 method_kwargs=(("var_freeze_step", 100), ("local_step_scaler", 50),
+                                                ("local_step_clipper", 8))),
+    "demo": AdamWRecipe("optimizer", "DeMo itself: local momentum, its DCT top-k fast components exchanged,"
+                        " a sign step"),
 }
 
 ADAMW = {"b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 1e-4}  # optax.adamw's defaults
@@ -254,8 +261,11 @@ def _adamw_recipe(name, learning_rate, axis_name, **method_kwargs):
   kwargs = dict(r.method_kwargs)
   kwargs.update(method_kwargs)
   if r.kind == "optimizer":
-    opt = {"onebit_adam": adam.onebit_adam}[name]
-    kwargs.setdefault("freeze_step", r.start_step)
+    from jaxcomp.transforms.demo import demo  # noqa: PLC0415
+
+    opt = {"onebit_adam": adam.onebit_adam, "zero_one_adam": adam.zero_one_adam, "demo": demo}[name]
+    if name == "onebit_adam":
+      kwargs.setdefault("freeze_step", r.start_step)
     return opt(lr, axis_name=axis_name, weight_decay=ADAMW["weight_decay"], **kwargs)
   if r.kind == "momentum":
     return adam.onebit_adam(lr, axis_name=axis_name, codec=name, freeze_step=r.start_step,

@@ -79,3 +79,64 @@ def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match="not available for powersgd"):
     jaxcomp.onebit_adam(LR, codec="powersgd", axis_name=AXIS)
   assert jaxcomp.onebit_adam(LR, codec="powersgd", exchange="gather", axis_name=AXIS).compressor.exchange == "gather"
+
+
+def _zero_one(**kw):
+  kw = {"var_freeze_step": 6, "var_update_scaler": 2, "local_step_scaler": 3, "local_step_clipper": 4, **kw}
+  return jaxcomp.zero_one_adam(LR, axis_name=AXIS, **kw)
+
+
+def _train(tx, steps, grads_of=lambda t: worker_grads(PARAMS, seed=t)):
+  step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=AXIS)
+  params = jaxcomp.per_worker(PARAMS, N)
+  state = jaxcomp.per_worker(tx.init(PARAMS), N)
+  history = []
+  for t in range(steps):
+    out, new = step(grads_of(t), state, params)
+    if all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(out)):  # as optax.apply_if_finite
+      params = optax.apply_updates(params, out)
+    history.append((out, state, new, params))
+    state = new
+  return history
+
+
+def test_zero_one_adam_variance_schedule_local_steps_and_syncs():
+  history = _train(_zero_one(), 13)
+  adam = optax.adam(LR)
+  s = adam.init(PARAMS)
+  for t in range(2):  # steps 1, 2: the variance interval is 1, every step dense: exact Adam
+    want, s = adam.update(jax.tree.map(lambda g: g.mean(0), worker_grads(PARAMS, seed=t)), s)
+    assert_trees_close(jax.tree.map(lambda o: o[0], history[t][0]), want, rtol=2e-5, atol=1e-7)
+  var_steps = [t + 1 for t, (_, old, new, _) in enumerate(history)
+               if not np.array_equal(np.asarray(old.nu["w"]), np.asarray(new.nu["w"]))]
+  assert var_steps == [1, 2, 4, 6], var_steps  # interval 1 twice, then 2 (then frozen from step 7)
+  # local steps from step 7: interval 1 for 3 steps (every step syncs), then 2 (steps 10, 12 sync)
+  for t in range(6, 13):
+    params = history[t][3]
+    agree = all(np.allclose(np.asarray(x), np.asarray(x)[:1], rtol=0, atol=1e-6) for x in jax.tree.leaves(params))
+    assert agree == ((t + 1) in (7, 8, 9, 10, 12)), (t + 1, agree)
+  for _, _, new, params in history:
+    for leaf in jax.tree.leaves((new.mu, new.nu, params)):
+      assert np.all(np.isfinite(np.asarray(leaf)))
+  assert int(np.asarray(history[-1][2].local_interval)[0]) == 4  # doubled after steps 9 and 12 (clipped at 4)
+
+
+def test_zero_one_adam_sends_one_bit_and_skips_a_nan_step():
+  tx = _zero_one(var_freeze_step=1000)
+  big = {"w": jnp.zeros((1024, 512)), "b": jnp.zeros((512,))}
+  assert jaxcomp.wire_bytes(jaxcomp.none(axis_name=AXIS), big) / jaxcomp.wire_bytes(tx, big, workers=N) >= 16
+
+  def grads_of(t):
+    g = worker_grads(PARAMS, seed=t)
+    return {**g, "w": g["w"].at[2, 0, 0].set(jnp.nan)} if t == 3 else g
+
+  history = _train(tx, 5, grads_of)
+  out, old, new, _ = history[3]
+  for leaf in jax.tree.leaves(out):
+    assert np.all(np.isnan(np.asarray(leaf)))
+  for a, b in zip(jax.tree.leaves((new.mu, new.nu)), jax.tree.leaves((old.mu, old.nu))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for leaf in jax.tree.leaves(history[4][0]):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+  with pytest.raises(ValueError, match="local_step_clipper must be"):
+    jaxcomp.zero_one_adam(LR, local_step_clipper=0)

@@ -24,6 +24,7 @@ def test_data_is_deterministic_and_split_90_10():
   assert len(c.train) + len(c.held_out) == len(c.text)
   assert len(c.train) == int(0.9 * len(c.text))
   assert c.decode(c.train[:200]) == c.text[:200]
+  np.testing.assert_array_equal(c.encode(c.text[:200]), c.train[:200])
   assert c.decode(c.held_out[-200:]) == c.text[-200:]
   assert c.train.dtype == np.int32 and 0 <= c.train.min() and c.train.max() < c.vocab_size
   # training windows: a fixed function of (seed, step), within the text, targets shifted by one

@@ -76,7 +76,7 @@ CHAINS = ("recipe", "default")
 # Complete optimizers that own their exchange: only through jaxcomp.recipe(name, ...).
 RECIPE_ONLY = ("onebit_adam", "zero_one_adam", "demo")
 LATENCY_US = 10.0  # the network model's alpha per message (train.py's default)
-PREDICTED = ("8w@1G", "8w@10G")  # the columns of the table: 8 workers on 1 and 10 Gb/s (train._predict's keys)
+PREDICTED = ("8w@1G", "8w@10G")  # the table's columns: 8 workers on 1 and 10 Gb/s (train._predict's keys)
 WORSE = 0.02  # note: a held-out loss more than 2% above dense
 DIVERGED = 1.5  # note: a held-out loss above 1.5 x dense's (or non-finite) is divergence
 
@@ -134,7 +134,8 @@ def windows(tokens: np.ndarray, starts: np.ndarray, context: int = CONTEXT) -> T
   return seq[..., :-1], seq[..., 1:]
 
 
-def train_starts(n: int, step: int, workers: int, batch: int, seed: int, context: int = CONTEXT) -> np.ndarray:
+def train_starts(n: int, step: int, workers: int, batch: int, seed: int,
+                 context: int = CONTEXT) -> np.ndarray:
   """(workers, batch) window starts of training step ``step``: ``default_rng([seed, step])``, uniform."""
   return np.random.default_rng([seed, step]).integers(0, n - context, size=(workers, batch))
 
@@ -276,7 +277,6 @@ def _check(name: str, chain: str, steps: int, lr: float, workers: int, batch: in
 
 def _chain(name: str, chain: str, lr: float):
   """(the optax chain, the jaxcomp transformation whose bytes are counted)."""
-
   if chain == "default":
     comp = jaxcomp.METHODS[name](axis_name="data")
     return optax.chain(comp, optax.adamw(lr)), comp
@@ -492,7 +492,10 @@ def table(results: List[Result]) -> str:
               f"{t_dense / t:.2f}x" if t is not None and t_dense is not None else "-"]
     rows.append(row + [_note(r, dense)])
   widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
-  line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
+
+  def line(cells):
+    return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
   sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
   return "\n".join([line(head), sep] + [line(r) for r in rows])
 
@@ -506,14 +509,15 @@ def figure(results: List[Result], out: str, steps: int) -> str:
 
   ok = [r for r in results if not r.error and r.wire_bytes > 0 and math.isfinite(r.held_out_loss)]
   order = list(dict.fromkeys(r.method for r in results))
-  markers = {"default": "o", "recipe": "s"}
-  fig, ax = plt.subplots(figsize=(9, 5.5))
-  for r in ok:
+  fig, ax = plt.subplots(figsize=(10, 6))
+  for r in ok:  # a method's colour and marker (train.py's), filled for the recipe chain, hollow for default
     st = _style(order.index(r.method))
     filled = r.chain == "recipe"
-    ax.scatter(r.wire_bytes, r.held_out_loss, s=42, marker=markers[r.chain], zorder=3,
+    ax.scatter(r.wire_bytes, r.held_out_loss, s=44, marker=st["marker"], zorder=3,
                facecolors=st["color"] if filled else "none", edgecolors=st["color"], linewidths=1.4,
                label=f"{r.method} ({r.chain})")
+    ax.annotate(r.method, (r.wire_bytes, r.held_out_loss), xytext=(4, 3), textcoords="offset points",
+                fontsize=6, color=st["color"])
   for c, ls in zip(CHAINS, ("--", ":"), strict=True):
     dense = _dense(results, c)
     if dense is not None and math.isfinite(dense.held_out_loss):
