@@ -56,7 +56,7 @@ def test_every_method_resumes_bitwise_in_a_fresh_process(tmp_path):
   assert not differ, differ
   cases = cr.cases()
   assert {n for n, lay in cases if lay == "pmap" and "@" not in n} == set(jaxcomp.METHODS)
-  assert ("qsgd@scatter", "pmap") in cases
+  assert ("qsgd@scatter", "pmap") in cases and ("zero_one_adam@adamw", "pmap") in cases
   assert ("powersgd", "shard_map") in cases
   assert len({k.split("[")[0] for k in reference}) == len(cases)
 

@@ -46,9 +46,17 @@ def params0():
           "s": jnp.zeros((), jnp.float32)}
 
 
+# The complete AdamW optimizers, their phases moved early so that the checkpoint (after step 3) lands
+# inside them: 1-bit Adam frozen from step 2; 0/1 Adam's variance frozen from step 2, local steps after.
+ADAMW_CASES = {"onebit_adam": {"freeze_step": 2}, "zero_one_adam": {"var_freeze_step": 2, "local_step_scaler": 2},
+               "demo": {}}
+
+
 def optimizer(name: str):
   # Each method through its recipe: its memory (momentum correction, EF21, ...) and the outer sgd.
   method, _, exchange = name.partition("@")
+  if exchange == "adamw":
+    return jaxcomp.recipe(method, 1e-2, axis_name=AXIS, optimizer="adamw", **ADAMW_CASES[method])
   return jaxcomp.recipe(method, 0.05, axis_name=AXIS, **({"exchange": exchange} if exchange else {}))
 
 
@@ -118,7 +126,7 @@ SCATTER_METHODS = ("qsgd", "topk", "dgc")  # "name@scatter": through exchange="s
 def cases():
   """(name, layout) for every method under pmap, a few with exchange="scatter", and one under shard_map."""
   return ([(name, "pmap") for name in sorted(jaxcomp.METHODS)] + [(f"{m}@scatter", "pmap") for m in SCATTER_METHODS]
-          + [(SHARD_MAP_METHOD, "shard_map")])
+          + [(f"{m}@adamw", "pmap") for m in ADAMW_CASES] + [(SHARD_MAP_METHOD, "shard_map")])
 
 
 def key(name: str, layout: str) -> str:
