@@ -25,11 +25,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import CompressionTransformation, compressed_optimizer, configure
+from jaxcomp.core import CompressionTransformation, compressed_optimizer, configure, wire_bytes
 from jaxcomp.transforms import _args
 
 
@@ -318,4 +319,37 @@ def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: fl
     out = jax.tree.map(lambda d, x: jnp.where(finite, d, jnp.nan).astype(x.dtype), delta, grads)
     return out, new_state
 
-  return compressed_optimizer(optax.GradientTransformation(init, update), compressor)
+  opt = compressed_optimizer(optax.GradientTransformation(init, update), compressor)
+  opt.rounds = lambda steps: zero_one_rounds(steps, var_freeze_step, var_update_scaler, local_step_scaler,
+                                             local_step_clipper)
+
+  def bytes_at(step, params, workers=None):
+    kind = opt.rounds(step + 1)[step]
+    if kind == "dense":
+      return 4 * sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
+    return 0 if kind == "local" else wire_bytes(compressor, params, workers=workers)
+
+  opt.bytes_at = bytes_at  # bytes one worker hands to collectives at ``step`` (0-based)
+  return opt
+
+
+def zero_one_rounds(steps: int, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
+                    local_step_clipper: int) -> list:
+  """What each of the first ``steps`` steps of :func:`zero_one_adam` does: "dense" (a variance update),
+  "onebit" (the gradient in 1 bit), "local" (no communication) or "sync" (the displacement in 1 bit)."""
+  out, var_interval, var_counter, local_interval, local_counter = [], 1, 0, 1, 0
+  for count in range(steps):
+    step = count + 1
+    if count < var_freeze_step:
+      var_step = step % var_interval == 0
+      out.append("dense" if var_step else "onebit")
+      if var_step:
+        var_counter += 1
+        if var_counter == var_update_scaler:
+          var_counter, var_interval = 0, var_interval * 2
+    else:
+      out.append("sync" if step % local_interval == 0 else "local")
+      local_counter += 1
+      if local_counter == local_step_scaler:
+        local_counter, local_interval = 0, min(local_interval * 2, local_step_clipper)
+  return out

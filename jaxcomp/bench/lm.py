@@ -345,14 +345,18 @@ def _train(res: Result, seed: int, workers: int, batch: int, progress: bool) -> 
   hlo = compiled.as_text()
   inner = compressor(comp)
   method = getattr(inner, "method", None)
-  if method is not None and (method.stages or method.start_step):
+  rounds = getattr(tx, "bytes_at", None)  # 0/1 Adam: dense, 1-bit and silent rounds in one program
+  if method is not None and (method.stages or method.start_step or rounds is not None):
     # The program holds every stage's collectives; the bytes and the network model are the steady
     # state's: the last stage compiled alone (as train.py does).
     steady = jaxcomp.steady(inner)
     hlo = jax.pmap(lambda g, s: steady.update(g, s)[0], axis_name="data").lower(
         P, jaxcomp.per_worker(steady.init(params), workers)).compile().as_text()
-    res.mean_bytes = float(np.mean([jaxcomp.wire_bytes(inner, params, step=t, workers=workers)
-                                    for t in range(res.steps)]))
+    if rounds is not None:
+      res.mean_bytes = float(np.mean([rounds(t, params, workers) for t in range(res.steps)]))
+    else:
+      res.mean_bytes = float(np.mean([jaxcomp.wire_bytes(inner, params, step=t, workers=workers)
+                                      for t in range(res.steps)]))
     res.warmup_steps = max([method.start_step] + [first for first, _ in method.stages])
   wire = jaxcomp.collective_bytes(hlo)
   res.wire_bytes, res.collectives = int(wire["total"]), int(wire["count"])
@@ -463,6 +467,8 @@ def _note(r: Result, dense: Optional[Result]) -> str:
       notes.append(f"> {100 * WORSE:g}% above dense")
   if r.warmup_steps:
     notes.append(f"warm-up to step {r.warmup_steps}: {r.mean_bytes:,.0f} B/step over the run")
+  elif r.mean_bytes >= 0:
+    notes.append(f"dense, 1-bit and silent rounds: {r.mean_bytes:,.0f} B/step over the run")
   if not r.replicas_equal:
     notes.append("replicas differ")
   if r.nominal_bytes >= 0 and r.wire_bytes != r.nominal_bytes:
