@@ -158,7 +158,8 @@ ADAMW_RECIPES: dict[str, AdamWRecipe] = {
                              " 2.049; EF21 2.505, Adam's update 2.172)", start_step=100),
     "adaq": AdamWRecipe("momentum", "sparse and quantized momentum, variance frozen after 60 steps (lm:"
                         " 1.600; EF21 1.927)", start_step=60),
-    "inceptionn": AdamWRecipe("ef21", "lossy code: EF21's estimate (lm: 1.676; on the momentum 1.760)"),
+    "inceptionn": AdamWRecipe("grad", "lossy code, nearly unbiased, into Adam (lm: 1.640; EF21 1.676, on the"
+                              " momentum 1.760)"),
     "dgc": AdamWRecipe("momentum", "0.1% of Adam's momentum (DGC's own momentum off: Adam's is the one),"
                        " variance frozen after 100 steps (lm: 2.083; Adam's update 2.266)",
                        method_kwargs=(("clip_norm", None), ("warmup_steps", 0), ("momentum", 0.0)),

@@ -88,6 +88,5 @@ def test_recipes_cover_every_method_and_say_why():
   for name, r in jaxcomp.recipes.ADAMW_RECIPES.items():
     assert r.kind in ("grad", "ef21", "momentum", "sign", "after", "optimizer") and r.why, name
   opt = jaxcomp.recipe("topk", 3e-3, axis_name=AXIS, optimizer="adamw")
-  assert isinstance(jaxcomp.recipe_method("inceptionn", axis_name=AXIS, optimizer="adamw").method.memory,
-                    jaxcomp.memories.EF21)
+  assert jaxcomp.recipe_method("inceptionn", axis_name=AXIS, optimizer="adamw").method.name == "inceptionn"
   assert opt.compressor.method.name == "topk" and opt.compressor.method.start_step == 100  # 1-bit Adam's freeze
