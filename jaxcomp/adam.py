@@ -44,6 +44,25 @@ class ScaleByOneBitAdamState(NamedTuple):
   exchange: Any
 
 
+def _adam_args(learning_rate, b1, b2, eps, weight_decay):
+  """Adam's settings checked (errors name the argument)."""
+  if not callable(learning_rate):
+    _args.positive("learning_rate", learning_rate)
+  return (_args.unit_interval("b1", b1), _args.unit_interval("b2", b2), _args.positive("eps", eps),
+          _args.positive("weight_decay", weight_decay, allow_zero=True))
+
+
+def _compressor(codec: str, axis_name, exchange: str, seed: int, codec_kwargs: dict):
+  """The jaxcomp transformation ``codec`` over ``axis_name`` that moves an optimizer's payload."""
+  from jaxcomp import METHODS  # the registry imports the factories
+
+  codec = _args.choice("codec", codec, tuple(m for m in METHODS if m != "none"))
+  factory = METHODS[codec]
+  if "seed" in inspect.signature(factory).parameters:
+    codec_kwargs = {**codec_kwargs, "seed": seed}
+  return factory(axis_name=axis_name, exchange=exchange, **codec_kwargs)
+
+
 def scale_by_onebit_adam(exchange: CompressionTransformation, b1: float = 0.9, b2: float = 0.999,
                          eps: float = 1e-8, freeze_step: int = 100) -> optax.GradientTransformation:
   """Adam's scaling with the momentum averaged by ``exchange`` and the variance frozen from ``freeze_step``.
@@ -123,20 +142,9 @@ def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: floa
     with Adam's Convergence Speed*, ICML 2021, Algorithm 1; DeepSpeed's
     ``OnebitAdam``.
   """
-  from jaxcomp import METHODS  # the registry imports the factories
-
-  codec = _args.choice("codec", codec, tuple(m for m in METHODS if m != "none"))
-  b1 = _args.unit_interval("b1", b1)
-  b2 = _args.unit_interval("b2", b2)
-  eps = _args.positive("eps", eps)
-  weight_decay = _args.positive("weight_decay", weight_decay, allow_zero=True)
+  b1, b2, eps, weight_decay = _adam_args(learning_rate, b1, b2, eps, weight_decay)
   freeze_step = _args.integer("freeze_step", freeze_step, 0, 2 ** 31 - 1)
-  if not callable(learning_rate):
-    _args.positive("learning_rate", learning_rate)
-  factory = METHODS[codec]
-  if "seed" in inspect.signature(factory).parameters:
-    codec_kwargs["seed"] = seed
-  compressor = factory(axis_name=axis_name, exchange=exchange, **codec_kwargs)
+  compressor = _compressor(codec, axis_name, exchange, seed, codec_kwargs)
   compressor = configure(compressor, start_step=freeze_step)
   decay = [optax.add_decayed_weights(weight_decay)] if weight_decay else []  # it needs params
   tx = optax.chain(scale_by_onebit_adam(compressor, b1, b2, eps, freeze_step), *decay,
@@ -220,24 +228,15 @@ def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: fl
     Large-scale Training via 0/1 Adam*, ICLR 2023, Algorithm 1; DeepSpeed's
     ``ZeroOneAdam``.
   """
-  from jaxcomp import METHODS  # the registry imports the factories
   from jaxcomp.collectives import ops
   from jaxcomp.collectives.axis import current_axis
 
-  codec = _args.choice("codec", codec, tuple(m for m in METHODS if m != "none"))
-  b1, b2 = _args.unit_interval("b1", b1), _args.unit_interval("b2", b2)
-  eps = _args.positive("eps", eps)
-  weight_decay = _args.positive("weight_decay", weight_decay, allow_zero=True)
+  b1, b2, eps, weight_decay = _adam_args(learning_rate, b1, b2, eps, weight_decay)
   var_freeze_step = _args.integer("var_freeze_step", var_freeze_step, 0, 2 ** 31 - 1)
   var_update_scaler = _args.integer("var_update_scaler", var_update_scaler, 1)
   local_step_scaler = _args.integer("local_step_scaler", local_step_scaler, 1)
   local_step_clipper = _args.integer("local_step_clipper", local_step_clipper, 1)
-  if not callable(learning_rate):
-    _args.positive("learning_rate", learning_rate)
-  factory = METHODS[codec]
-  if "seed" in inspect.signature(factory).parameters:
-    codec_kwargs["seed"] = seed
-  compressor = factory(axis_name=axis_name, exchange=exchange, **codec_kwargs)
+  compressor = _compressor(codec, axis_name, exchange, seed, codec_kwargs)
   i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
 
   def init(params):

@@ -57,19 +57,20 @@ def varying(tree: Any, axis: Axis) -> Any:
   if axis.name is None:
     return tree
   names = axis.name if isinstance(axis.name, tuple) else (axis.name,)
+  return jax.tree.map(lambda x: _varying_over(x, names), tree)
 
-  def one(x):
-    have = _varying_axes(x)
-    if have is None:  # no varying-axes typing here (pmap, or an older JAX)
-      return x
-    missing = tuple(n for n in names if n not in have)
-    if not missing:
-      return x
-    if hasattr(lax, "pcast"):
-      return lax.pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # pragma: no cover - JAX before pcast
 
-  return jax.tree.map(one, tree)
+def _varying_over(x, names):
+  """``x`` typed as varying over ``names`` too (a no-op where this JAX types no varying axes)."""
+  have = _varying_axes(x)
+  if have is None:  # no varying-axes typing here (pmap, or an older JAX)
+    return x
+  missing = tuple(n for n in names if n not in have)
+  if not missing:
+    return x
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, missing, to="varying")
+  return lax.pvary(x, missing)  # pragma: no cover - JAX before pcast
 
 
 def _varying_axes(x):
@@ -99,12 +100,5 @@ def like_vma(x: jax.Array, like: jax.Array) -> jax.Array:
   all-to-all (varying) to a carry made by ``jnp.zeros`` (invariant) fails to
   type; value-wise a no-op.
   """
-  have, want = _varying_axes(x), _varying_axes(like)
-  if have is None or not want:
-    return x
-  missing = tuple(n for n in want if n not in have)
-  if not missing:
-    return x
-  if hasattr(lax, "pcast"):
-    return lax.pcast(x, missing, to="varying")
-  return lax.pvary(x, missing)  # pragma: no cover - JAX before pcast
+  want = _varying_axes(like)
+  return _varying_over(x, tuple(want)) if want else x
