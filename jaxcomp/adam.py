@@ -203,7 +203,9 @@ def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: fl
 
   Between syncs the replicas differ (each took its own local steps); every
   sync brings them to the same ``anchor`` (kept in the state, so no drift
-  accumulates; the update ``target - params`` may leave an ulp). A
+  accumulates): exactly where ``target - params`` is exact in float32, and
+  within half an ulp of that move where a parameter crossed zero or moved
+  more than half its size (as :func:`jaxcomp.sbc` with ``delay > 1``). A
   non-finite step outputs NaN and keeps the moments (during local steps on
   that worker only); the schedules advance on every worker alike.
 

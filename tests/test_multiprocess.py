@@ -2,8 +2,10 @@
 
 One ``jaxcomp.launch.launch`` job (a free port on 127.0.0.1, a timeout, every
 process killed at the end) runs this file as a script in 2 processes; each
-trains a small model for a few steps with topk, powersgd and signsgd under
-``jax.pmap`` over the job's 4 devices and saves its replicas. The test
+trains a small model for a few steps with topk, powersgd and signsgd (each
+before ``sgd``) and with the complete optimizers onebit_adam, zero_one_adam
+and demo (past their warm-ups: 1-bit momentum, local steps and syncs, DCT
+top-k) under ``jax.pmap`` over the job's 4 devices and saves its replicas. The test
 process runs the same training on 4 of its 8 devices and compares.
 """
 
@@ -20,13 +22,18 @@ import pytest
 
 import jaxcomp
 
-METHODS = ("topk", "powersgd", "signsgd")
+METHODS = ("topk", "powersgd", "signsgd", "onebit_adam", "zero_one_adam", "demo")
 WORKERS, PROCESSES = 4, 2
-STEPS = 4
+STEPS = 6
 # gloo's float all-reduce adds in another order than XLA's in-process one, so
 # methods that psum floats agree to rounding; gathered payloads (top-k values,
 # sign bits) are combined identically and agree bit for bit.
-FLOAT_PSUM = ("powersgd",)
+# The Adam optimizers' warm-ups average the gradient densely (a float psum) too.
+FLOAT_PSUM = ("powersgd", "onebit_adam", "zero_one_adam")
+# After local steps, a sync moves each replica by ``anchor - params``: a parameter that crossed
+# zero (local moves here reach 0.5) lands within half an ulp of that move from the shared
+# anchor (jaxcomp.zero_one_adam's docstring), in one process as in two: 1e-6 bounds it.
+LANDS_ON_ANCHOR = ("zero_one_adam",)
 TIMEOUT_S = 600  # generous: the shared CI machine can be slow; a hang still ends
 
 
@@ -39,11 +46,23 @@ def _problem():
   return params, targets
 
 
-def _train(method: str, targets_local, local: int):
-  """STEPS steps of ``chain(method, sgd)`` under pmap over all devices; this process's replicas."""
-  params, _ = _problem()
+def _optimizer(method: str):
+  """``chain(method, sgd)``, or one of the complete Adam optimizers set to leave its warm-up in STEPS."""
+  if method == "onebit_adam":  # exact Adam for 2 steps, then the 1-bit momentum over the scatter exchange
+    return jaxcomp.onebit_adam(0.01, freeze_step=2, axis_name="data", min_size=1)
+  if method == "zero_one_adam":  # steps: dense, dense, 1-bit, sync, local, sync (adam.zero_one_rounds)
+    return jaxcomp.zero_one_adam(0.01, var_freeze_step=3, var_update_scaler=2, local_step_scaler=1,
+                                 local_step_clipper=2, axis_name="data", min_size=1)
+  if method == "demo":
+    return jaxcomp.demo(0.01, compression_topk=4, compression_chunk=8, axis_name="data")
   # min_size=1: every leaf compressed, whatever default the two sides run with.
-  tx = optax.chain(jaxcomp.METHODS[method](axis_name="data", min_size=1), optax.sgd(0.1, momentum=0.9))
+  return optax.chain(jaxcomp.METHODS[method](axis_name="data", min_size=1), optax.sgd(0.1, momentum=0.9))
+
+
+def _train(method: str, targets_local, local: int):
+  """STEPS steps of ``method``'s optimizer under pmap over all devices; this process's replicas."""
+  params, _ = _problem()
+  tx = _optimizer(method)
 
   def step(p, s, t):
     g = jax.tree.map(lambda p, t: p - t + 0.1 * jnp.sin(3.0 * p), p, t)
@@ -96,10 +115,13 @@ def test_two_processes_equal_one(launched, method):
   reference = _train(method, targets, WORKERS)  # 1 process, 4 of the 8 test devices
   per_process = [dict(np.load(launched / f"{method}_p{i}.npz")) for i in range(PROCESSES)]
   for k, ref in reference.items():
-    np.testing.assert_array_equal(ref, np.broadcast_to(ref[:1], ref.shape))
     got = np.concatenate([p[k] for p in per_process])  # (4, ...): every replica of the job
-    np.testing.assert_array_equal(got, np.broadcast_to(got[:1], got.shape),
-                                  err_msg=f"{method}/{k}: replicas differ across processes")
+    for where, replicas in (("1 process", ref), ("2 processes", got)):
+      first = np.broadcast_to(replicas[:1], replicas.shape)
+      if method in LANDS_ON_ANCHOR:
+        np.testing.assert_allclose(replicas, first, rtol=0, atol=1e-6, err_msg=f"{method}/{k}, {where}")
+      else:
+        np.testing.assert_array_equal(replicas, first, err_msg=f"{method}/{k}: replicas differ, {where}")
     msg = f"{method}/{k}: 2 processes x 2 devices != 1 process x 4"
     if method in FLOAT_PSUM:
       np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=msg)
