@@ -64,7 +64,8 @@ def _compressor(codec: str, axis_name, exchange: str, seed: int, codec_kwargs: d
 
 
 def scale_by_onebit_adam(exchange: CompressionTransformation, b1: float = 0.9, b2: float = 0.999,
-                         eps: float = 1e-8, freeze_step: int = 100) -> optax.GradientTransformation:
+                         eps: float = 1e-8, freeze_step: int = 100,
+                         local_momentum: bool = False) -> optax.GradientTransformation:
   """Adam's scaling with the momentum averaged by ``exchange`` and the variance frozen from ``freeze_step``.
 
   Args:
@@ -73,6 +74,13 @@ def scale_by_onebit_adam(exchange: CompressionTransformation, b1: float = 0.9, b
     b1, b2, eps: Adam's.
     freeze_step: the step from which ``nu`` is frozen (the exchange's warm-up is
       decided by its own step count, so the two agree).
+    local_momentum: after the freeze, each worker keeps its own momentum
+      ``b1 * m_w + (1 - b1) * g_w`` and the exchange's error feedback
+      accumulates it (DGC's momentum correction), instead of every worker
+      restarting from the compressed mean (1-bit Adam). A sparse codec then
+      delivers the whole momentum, once and late; restarting from a sparse
+      mean would drop the unsent part from the momentum and deliver it only
+      through repeated selections. ``mu`` is then per worker.
 
   A non-finite step (the exchange then outputs NaN on every worker) keeps
   ``mu``, ``nu`` and ``count`` and outputs NaN, so ``optax.apply_if_finite``
@@ -97,13 +105,15 @@ def scale_by_onebit_adam(exchange: CompressionTransformation, b1: float = 0.9, b
       return jnp.where(warm, b2 * v + (1.0 - b2) * g * g, v)
 
     nu = jax.tree.map(nu_of, state.nu, mu, state.mu)
+    # What the next step builds on: the shared mean (always during the warm-up, when it is exact).
+    kept = jax.tree.map(lambda m, l: jnp.where(warm, m, l), mu, local) if local_momentum else mu
     t = state.count + 1
     bc1 = 1.0 - b1 ** t.astype(jnp.float32)
     bc2 = 1.0 - b2 ** jnp.minimum(t, freeze_step).astype(jnp.float32)
     out = jax.tree.map(lambda m, v, g: ((m / bc1) / (jnp.sqrt(v / bc2) + eps)).astype(g.dtype), mu, nu, updates)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(mu)] or [jnp.array(True)]))
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-    new_state = ScaleByOneBitAdamState(jnp.where(finite, t, state.count), keep(mu, state.mu),
+    new_state = ScaleByOneBitAdamState(jnp.where(finite, t, state.count), keep(kept, state.mu),
                                        keep(nu, state.nu), ex_state)
     return out, new_state
 
@@ -112,7 +122,8 @@ def scale_by_onebit_adam(exchange: CompressionTransformation, b1: float = 0.9, b
 
 def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                 weight_decay: float = 0.0, freeze_step: int = 100, axis_name: AxisName = None,
-                codec: str = "onebit", exchange: str = "scatter", seed: int = 0, **codec_kwargs):
+                codec: str = "onebit", exchange: str = "scatter", seed: int = 0,
+                local_momentum: bool = False, **codec_kwargs):
   """1-bit Adam: a complete optax optimizer that owns its exchange.
 
   Exact Adam (on the dense mean gradient) for ``freeze_step`` steps, then the
@@ -131,6 +142,9 @@ def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: floa
     exchange: ``"scatter"`` (default: the paper's worker and server error
       compensation, bytes flat in N) or ``"gather"``.
     seed: the compressor's seed.
+    local_momentum: each worker keeps its own momentum after the freeze
+      (:func:`scale_by_onebit_adam`; for sparse codecs), instead of the
+      compressed mean (the paper).
     **codec_kwargs: settings of ``codec``'s factory.
 
   Returns:
@@ -147,7 +161,9 @@ def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: floa
   compressor = _compressor(codec, axis_name, exchange, seed, codec_kwargs)
   compressor = configure(compressor, start_step=freeze_step)
   decay = [optax.add_decayed_weights(weight_decay)] if weight_decay else []  # it needs params
-  tx = optax.chain(scale_by_onebit_adam(compressor, b1, b2, eps, freeze_step), *decay,
+  if not isinstance(local_momentum, bool):
+    raise TypeError(f"local_momentum must be True or False, got local_momentum={local_momentum!r}")
+  tx = optax.chain(scale_by_onebit_adam(compressor, b1, b2, eps, freeze_step, local_momentum), *decay,
                    optax.scale_by_learning_rate(learning_rate))
   return compressed_optimizer(tx, compressor)
 

@@ -69,6 +69,34 @@ def test_a_nan_step_is_skipped_and_keeps_the_moments():
     assert np.all(np.isfinite(np.asarray(leaf)))
 
 
+def test_local_momentum_stays_with_each_worker_and_error_feedback_delivers_all_of_it():
+  b1, freeze = 0.9, 2
+  tx = jaxcomp.onebit_adam(LR, b1=b1, freeze_step=freeze, axis_name=AXIS, codec="topk", exchange="gather",
+                           local_momentum=True, ratio=0.05, min_size=1)
+  state = init_stacked(tx, PARAMS)
+  owed = jax.tree.map(jnp.zeros_like, PARAMS)  # the mean over workers of every local momentum after the freeze
+  delivered = jax.tree.map(jnp.zeros_like, PARAMS)  # the exchanged means
+  for t in range(6):
+    grads = worker_grads(PARAMS, seed=t)
+    local = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state[0].mu, grads)
+    out, new = run_pmap(tx, grads, state)
+    assert_replicas_equal(out)
+    if t >= freeze:  # per worker: its own momentum, not the mean
+      assert_trees_close(new[0].mu, local, rtol=1e-6, atol=1e-7)
+      assert not np.allclose(np.asarray(new[0].mu["w"][0]), np.asarray(new[0].mu["w"][1]))
+      # the exchanged mean, recovered from the update -lr * m / bc1 / (sqrt(nu / bc2) + eps)
+      bc1, bc2 = 1 - b1 ** (t + 1), 1 - 0.999 ** freeze
+      mean = jax.tree.map(lambda o, v: o[0] / -LR * (np.sqrt(v[0] / bc2) + 1e-8) * bc1, out, new[0].nu)
+      owed = jax.tree.map(lambda a, l: a + l.mean(0), owed, local)
+      delivered = jax.tree.map(lambda a, m: a + m, delivered, mean)
+    else:  # the warm-up: every worker holds the exact mean momentum
+      assert_trees_close(new[0].mu, jax.tree.map(lambda l: jnp.broadcast_to(l.mean(0), l.shape), local),
+                         rtol=1e-5, atol=1e-6)
+    state = new
+  residual = jaxcomp.memory_tree(tx.compressor, state[0].exchange, PARAMS)
+  assert_trees_close(jax.tree.map(lambda d, r: d + r.mean(0), delivered, residual), owed, rtol=1e-4, atol=1e-5)
+
+
 def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match="codec must be one of"):
     jaxcomp.onebit_adam(LR, codec="twobit")
@@ -76,6 +104,8 @@ def test_bad_arguments_are_named():
     jaxcomp.onebit_adam(LR, freeze_step=-1)
   with pytest.raises(ValueError, match="b2 must be in"):
     jaxcomp.onebit_adam(LR, b2=1.0)
+  with pytest.raises(TypeError, match="local_momentum must be True or False"):
+    jaxcomp.onebit_adam(LR, local_momentum="yes")
   with pytest.raises(ValueError, match="not available for powersgd"):
     jaxcomp.onebit_adam(LR, codec="powersgd", axis_name=AXIS)
   assert jaxcomp.onebit_adam(LR, codec="powersgd", exchange="gather", axis_name=AXIS).compressor.exchange == "gather"
