@@ -321,8 +321,7 @@ def train(name: str, steps: int = DEFAULT_STEPS, chain: str = "recipe", lr: floa
 
 
 def _train(res: Result, seed: int, workers: int, batch: int, progress: bool) -> None:
-  from tqdm.auto import tqdm
-
+  from jaxcomp.bench.train import timed_steps
   from jaxcomp.core import compressor
 
   corpus = load()
@@ -365,32 +364,11 @@ def _train(res: Result, seed: int, workers: int, batch: int, progress: bool) -> 
     res.traffic = [list(t) for t in netsim.collectives(hlo)]
   res.nominal_bytes = int(jaxcomp.wire_bytes(comp, params, workers=workers))
 
-  bar = tqdm(total=res.steps, desc=f"{res.method:>12} {res.chain}", disable=not progress, mininterval=1.0,
-             dynamic_ncols=True, file=sys.stderr)
-  pending, losses, blocks = [], [], []
-  t_train = time.perf_counter()
-  P, S, loss = compiled(P, S, x0, y0)
-  losses.append(float(np.mean(jax.device_get(loss))))
-  bar.update(1)
-  res.curve.append((1, losses[0]))
-  t_block, done, last = time.perf_counter(), 1, 1
-  for x, y in data:
-    P, S, loss = compiled(P, S, x, y)
-    pending.append(loss)
-    done += 1
-    if done % BLOCK_EVERY == 0 or done == res.steps:
-      jax.block_until_ready(loss)  # also bounds the dispatch queue
-      now = time.perf_counter()
-      blocks.append((now - t_block) / (done - last))
-      losses.extend(float(v) for v in np.asarray(jax.device_get(pending)).mean(axis=1))
-      res.curve.append((done, float(np.mean(losses[last:done]))))
-      t_block, last, pending = now, done, []
-      bar.update(done - bar.n)
-      bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-  jax.block_until_ready(P)
-  bar.close()
-  res.train_seconds = time.perf_counter() - t_train
-  res.step_seconds = float(np.median(blocks)) if blocks else res.train_seconds / res.steps
+  run = timed_steps(compiled, P, S, (x0, y0), data, res.steps, f"{res.method:>12} {res.chain}", progress)
+  P, losses = run.params, run.losses
+  res.train_seconds, res.step_seconds = run.seconds, run.step_seconds
+  res.curve = [(1, losses[0])] + [(end, float(np.mean(losses[start:end])))
+                                   for start, end in zip([1] + run.block_ends, run.block_ends)]
   res.final_train_loss = float(np.mean(losses[-10:]))
   host = jax.device_get(P)
   res.replicas_equal = all(bool(np.all(a == a[:1])) for a in jax.tree.leaves(host))

@@ -201,6 +201,57 @@ def _scatters(factory) -> bool:
   return True
 
 
+@dataclasses.dataclass
+class TimedRun:
+  """What :func:`timed_steps` returns."""
+
+  params: Any  # the per-worker parameters after the last step (on device)
+  losses: List[float]  # every step's loss, the mean over workers
+  block_ends: List[int]  # the step counts at which the clock was read
+  seconds: float  # the whole loop
+  step_seconds: float  # the median over blocks of seconds per step
+
+
+def timed_steps(compiled, P, S, first, rest, steps: int, desc: str, progress: bool) -> TimedRun:
+  """Runs the compiled pmapped step on ``first`` and then every batch of ``rest`` (``steps`` in all).
+
+  The step returns ``(params, state, per-worker loss)``. The clock is read every
+  :data:`BLOCK_EVERY` steps and at the end, after waiting for the step (which also bounds the
+  dispatch queue: DESIGN.md, JAX facts); the step time is the median over those blocks.
+  """
+  import jax
+  import numpy as np
+  from tqdm.auto import tqdm
+
+  bar = tqdm(total=steps, desc=desc, disable=not progress, mininterval=1.0, dynamic_ncols=True,
+             file=sys.stderr)
+  t_train = time.perf_counter()
+  P, S, loss = compiled(P, S, *first)
+  jax.block_until_ready(loss)
+  pending, losses, blocks, ends = [loss], [], [], []
+  t_block, done, last = time.perf_counter(), 1, 1
+  for batch in rest:
+    P, S, loss = compiled(P, S, *batch)
+    pending.append(loss)
+    done += 1
+    if done % BLOCK_EVERY == 0 or done == steps:
+      jax.block_until_ready(loss)
+      now = time.perf_counter()
+      blocks.append((now - t_block) / (done - last))
+      ends.append(done)
+      t_block, last = now, done
+      losses.extend(float(v) for v in np.asarray(jax.device_get(pending)).mean(axis=1))
+      pending = []
+      bar.update(done - bar.n)
+      bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+  if pending:  # a single step
+    losses.extend(float(v) for v in np.asarray(jax.device_get(pending)).mean(axis=1))
+  jax.block_until_ready(P)
+  bar.close()
+  seconds = time.perf_counter() - t_train
+  return TimedRun(P, losses, ends, seconds, float(np.median(blocks)) if blocks else seconds / steps)
+
+
 def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args, net,
                 progress: bool, base_lr: Optional[float] = None) -> Result:
   """Trains ``name`` for ``args.steps``; ``base_lr``: the recipe's dense learning rate (``args.lr``)."""
@@ -256,34 +307,9 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   except TypeError:
     res.nominal_bytes = -1
 
-  from tqdm.auto import tqdm
-
-  bar = tqdm(total=args.steps, desc=f"{name:>12}", disable=not progress, mininterval=1.0,
-             dynamic_ncols=True, file=sys.stderr)
-  pending, losses, blocks = [], [], []
-  t_train = time.perf_counter()
-  P, S, loss = compiled(P, S, x0, y0)
-  pending.append(loss)
-  jax.block_until_ready(loss)
-  bar.update(1)
-  t_block, done, last = time.perf_counter(), 1, 1
-  for x, y in batches:
-    P, S, loss = compiled(P, S, x, y)
-    pending.append(loss)
-    done += 1
-    if done % BLOCK_EVERY == 0 or done == args.steps:
-      jax.block_until_ready(loss)  # also bounds the dispatch queue (DESIGN.md, JAX facts)
-      now = time.perf_counter()
-      blocks.append((now - t_block) / (done - last))
-      t_block, last = now, done
-      losses.extend(float(v) for v in np.asarray(jax.device_get(pending)).mean(axis=1))
-      pending = []
-      bar.update(done - bar.n)
-      bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-  jax.block_until_ready(P)
-  bar.close()
-  res.train_seconds = time.perf_counter() - t_train
-  res.step_seconds = float(np.median(blocks)) if blocks else res.train_seconds / args.steps
+  run = timed_steps(compiled, P, S, (x0, y0), batches, args.steps, f"{name:>12}", progress)
+  P, losses = run.params, run.losses
+  res.train_seconds, res.step_seconds = run.seconds, run.step_seconds
   res.losses = losses
   res.final_loss = float(np.mean(losses[-10:]))
   host = jax.device_get(P)
