@@ -14,7 +14,7 @@ from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import DENSE, Ctx, Exchange, FusedExchange, Memory, Method, build
 from jaxcomp.transforms import _args
-from jaxcomp.transforms.lowrank import matrix_view, orthogonalize
+from jaxcomp.transforms.lowrank import keep_nonzero_columns, matrix_view, orthogonalize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,6 @@ class ACPFactors(Exchange):
   """
 
   rank: int
-  eps: float = 1e-8
   carries_nonfinite = True  # a NaN/Inf in X reaches the psum-ed factor and the mean
 
   def init(self, view, group, key):
@@ -175,14 +174,14 @@ class ACPFusion(FusedExchange):
       local = X
       p_rows, q_rows = _rows(role, g, len(idx))
       if p_rows.size:
-        Qo = orthogonalize(_take(Q, p_rows), ex.eps)
+        Qo = orthogonalize(_take(Q, p_rows))
         Pl = jnp.einsum("gab,gbr->gar", _take(X, p_rows), Qo)
         local = _put(local, p_rows, jnp.einsum("gar,gbr->gab", Pl, Qo))
         Q = _put(Q, p_rows, Qo)
         for i, j in enumerate(p_rows):
           sent[g, int(j)] = Pl[i].reshape(-1) / num
       if q_rows.size:
-        Po = orthogonalize(_take(P, q_rows), ex.eps)
+        Po = orthogonalize(_take(P, q_rows))
         Ql = jnp.einsum("gab,gar->gbr", _take(X, q_rows), Po)
         local = _put(local, q_rows, jnp.einsum("gar,gbr->gab", Po, Ql))
         P = _put(P, q_rows, Po)
@@ -218,11 +217,12 @@ class ACPFusion(FusedExchange):
       if p_rows.size:
         Pm = jnp.stack([got[g, int(j)].reshape(a, -1) for j in p_rows])
         mean = _put(mean, p_rows, jnp.einsum("gar,gbr->gab", Pm, _take(Q, p_rows)))
-        P = P.at[p_rows].set(Pm)  # not a plain Pm: P keeps the state's (varying) type
+        # not a plain Pm: P keeps the state's (varying) type; a zero column keeps the last one
+        P = P.at[p_rows].set(keep_nonzero_columns(Pm, _take(P, p_rows)))
       if q_rows.size:
         Qm = jnp.stack([got[g, int(j)].reshape(b, -1) for j in q_rows])
         mean = _put(mean, q_rows, jnp.einsum("gar,gbr->gab", _take(P, q_rows), Qm))
-        Q = Q.at[q_rows].set(Qm)
+        Q = Q.at[q_rows].set(keep_nonzero_columns(Qm, _take(Q, q_rows)))
       means.append(mean)
       states.append((P, Q))  # a non-finite factor means a non-finite mean: build() restores them
     return means, states
@@ -279,6 +279,11 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
   identical on every worker; ``state.extra`` holds, per bucket of the
   builder, the ``(P, Q)`` of each group of same-view leaves
   (:func:`jaxcomp.core.groups`; ``()`` for a group of uncompressed leaves).
+
+  Orthogonalization adds no epsilon (:func:`jaxcomp.transforms.lowrank.orthogonalize`):
+  the output is proportional to the gradient at any scale. A factor column
+  that comes back all zero (the matrix and its residual were zero) keeps its
+  previous value, so the matrix is sent again once it is not zero.
 
   Args:
     rank: r >= 1 (the paper uses PowerSGD's ranks; 4 here).

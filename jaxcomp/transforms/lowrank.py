@@ -16,16 +16,53 @@ from jaxcomp.core import DENSE, Ctx, Exchange, Memory, Method, build
 from jaxcomp.transforms import _args
 
 
-def orthogonalize(p: jax.Array, eps: float = 1e-8) -> jax.Array:
-  """Gram-Schmidt on the columns of ``p`` (..., a, r); a zero column stays zero."""
+def orthogonalize(p: jax.Array, eps: float = 0.0) -> jax.Array:
+  """Orthonormal columns of ``p`` (..., a, r) by Gram-Schmidt; a zero column stays zero.
+
+  Scale-free: ``orthogonalize(c * p) == orthogonalize(p)`` for any c > 0 (up
+  to rounding), so no size of gradient is too small to be sent. A column is
+  divided by its own norm, or by 1 where that norm is 0 (a zero column stays
+  zero, never NaN; a NaN/Inf column stays non-finite).
+
+  Each column is projected out of the previous ones twice ("twice is
+  enough"): when a column depends on the previous ones (a gradient of lower
+  rank than r, such as a single example's outer product), one pass leaves
+  rounding noise as large along them as across them, and that noise,
+  normalized, would not be orthogonal: P P^T would then be no projection and
+  the output would overshoot the matrix. After the second pass it is
+  orthogonal to rounding, so such a column adds only a direction the matrix
+  does not use (as with the Householder QR that PyTorch uses above rank 2).
+
+  Args:
+    p: (..., a, r) with r <= a.
+    eps: added to every column norm; 0 (default) keeps the result
+      independent of scale. Any eps > 0 is an absolute floor: columns whose
+      norm is near or below it are shrunk, and a gradient small enough is not
+      sent at all. Kept for compatibility only.
+  """
   cols = []
   for i in range(p.shape[-1]):
     col = p[..., i]
-    for q in cols:
-      col = col - jnp.sum(q * col, axis=-1, keepdims=True) * q
-    col = col / (jnp.linalg.norm(col, axis=-1, keepdims=True) + eps)
+    for _ in range(2 if cols else 0):
+      for q in cols:
+        col = col - jnp.sum(q * col, axis=-1, keepdims=True) * q
+    norm = jnp.linalg.norm(col, axis=-1, keepdims=True)
+    col = col / (jnp.where(norm > 0, norm, jnp.ones_like(norm)) + eps)
     cols.append(col)
   return jnp.stack(cols, axis=-1)
+
+
+def keep_nonzero_columns(new: jax.Array, old: jax.Array) -> jax.Array:
+  """``new`` (..., a, r), with each all-zero column replaced by the one of ``old``.
+
+  For warm-started factors: a matrix (plus residual) that is exactly zero
+  for a step (a layer not reached yet, behind a zero-initialized one, or an
+  unused expert) gives a zero factor, and a zero factor, kept, would make
+  every later factor zero too: the matrix would never be sent again. Keeping
+  the previous column instead loses nothing (a zero column carries no
+  direction) and involves no scale.
+  """
+  return jnp.where(jnp.any(new != 0, axis=-2, keepdims=True), new, old)
 
 
 def matrix_view(shape) -> tuple:
@@ -99,8 +136,8 @@ def _unstack(groups, stacked, segs: layout.Segments) -> jax.Array:
 _PAD_FLOATS = 1 << 20  # padding allowed to batch small P factors (beyond the factors' own size)
 
 
-def _orthogonalize_all(Ps, eps):
-  """:func:`orthogonalize` of every view group's P ``(G, a, r)``, batched across views.
+def _orthogonalize_all(Ps):
+  """:func:`orthogonalize` of every view group's factor ``(G, a, r)``, batched across views.
 
   Factors of different views are zero-padded to common ``(a, r)`` and
   orthogonalized together (zero rows change no norm or dot product, zero
@@ -125,13 +162,13 @@ def _orthogonalize_all(Ps, eps):
   out = [None] * len(Ps)
   for batch in batches:
     if len(batch) == 1:
-      out[batch[0]] = orthogonalize(Ps[batch[0]], eps)
+      out[batch[0]] = orthogonalize(Ps[batch[0]])
       continue
     a0 = max(Ps[v].shape[1] for v in batch)
     r0 = max(Ps[v].shape[2] for v in batch)
     stacked = jnp.concatenate([jnp.pad(Ps[v], ((0, 0), (0, a0 - Ps[v].shape[1]), (0, r0 - Ps[v].shape[2])))
                                for v in batch])
-    stacked = orthogonalize(stacked, eps)
+    stacked = orthogonalize(stacked)
     at = 0
     for v in batch:
       G, a, r = Ps[v].shape
@@ -157,7 +194,7 @@ def _split(flat, shapes) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class PowerSGDExchange(Exchange):
-  """P = M Q -> all-reduce -> orthogonalize -> Q = M^T P -> all-reduce -> M_hat = P Q^T, per bucket.
+  """P = M orth(Q) -> all-reduce -> orthogonalize -> Q = M^T P -> all-reduce -> M_hat = P Q^T, per bucket.
 
   Inside a bucket the matrices of one view are batched (one einsum per
   distinct view, as torch's ``batch_tensors_with_same_shape``), and the P
@@ -165,12 +202,14 @@ class PowerSGDExchange(Exchange):
   two collectives per bucket. The state of a bucket is one float32 vector:
   the warm-started Q of each view group, ``(G, cols, r)`` flattened, groups
   in order of first appearance in the bucket (read it with
-  :meth:`warm_start`).
+  :meth:`warm_start`). The kept Q is the all-reduced ``M^T P``, of the
+  gradient's size; it is orthogonalized before it multiplies (as torch's
+  ``powerSGD_hook`` does), so P is of the gradient's size too, and the
+  output is proportional to the gradient at any scale.
   """
 
   psums = True  # its factors travel by all-reduce (for jaxcomp.scatter.traffic)
   rank: int
-  eps: float = 1e-8
   # A NaN/Inf in a matrix reaches its P row, the orthogonalized P and every
   # entry of P Q^T; a worker's reaches everyone's through the all-reduce.
   carries_nonfinite = True
@@ -206,16 +245,18 @@ class PowerSGDExchange(Exchange):
     groups = _view_groups(segs)
     axis = ctx.axis
     Xs = [_stack(x, segs, view, idx) for view, idx in groups]
-    Qs = self.warm_start(segs, Q)
+    Qs = _orthogonalize_all(self.warm_start(segs, Q))  # the same on every worker: no communication
     P = _flat([jnp.einsum("gab,gbr->gar", X, Q) for X, Q in zip(Xs, Qs)])
     P = ops.allreduce_sum(P, axis) / axis.size  # every view's P in one all-reduce
     Ps = _split(P, [(len(idx), view[0], self._r(view)) for view, idx in groups])
-    Ps = _orthogonalize_all(Ps, self.eps)
+    Ps = _orthogonalize_all(Ps)
     Qn = _flat([jnp.einsum("gab,gar->gbr", X, P) for X, P in zip(Xs, Ps)])
     Qn = ops.allreduce_sum(Qn, axis) / axis.size  # and every Q in another
-    Ms = [jnp.einsum("gar,gbr->gab", P, Q) for P, Q in zip(Ps, _split(Qn, self._shapes(segs)))]
+    Qns = _split(Qn, self._shapes(segs))
+    Ms = [jnp.einsum("gar,gbr->gab", P, Q) for P, Q in zip(Ps, Qns)]
     M = _unstack(groups, Ms, segs)
-    return M, M, jnp.where(jnp.all(jnp.isfinite(Qn)), Qn, Q)  # a NaN step must not poison the warm start
+    kept = _flat([keep_nonzero_columns(new, old) for new, old in zip(Qns, self.warm_start(segs, Q))])
+    return M, M, jnp.where(jnp.all(jnp.isfinite(Qn)), kept, Q)  # a NaN step must not poison the warm start
 
   def exchange(self, x, segs, extra, ctx: Ctx):
     return self._compressed(x, segs, extra, ctx)
@@ -231,9 +272,16 @@ def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: fl
   r = min(rank, rows, cols). It is compressed only when
   ``(rows + cols) * r * min_compression_rate < rows * cols``; 1-D leaves and
   small matrices travel dense in float32. For a compressed M (plus the
-  residual): P = M Q, allreduce-mean P, orthogonalize P (Gram-Schmidt),
+  residual): P = M orth(Q), allreduce-mean P, orthogonalize P (Gram-Schmidt),
   Q = M^T P, allreduce-mean Q, output P Q^T. Q is kept for the next step (warm
-  start), initialized from ``seed`` identically on every worker. The residual
+  start), initialized from ``seed`` identically on every worker, and
+  orthogonalized before it multiplies, as in torch's ``powerSGD_hook``; no
+  epsilon enters the orthogonalization (its ``orthogonalization_epsilon``
+  default 0), so the output is proportional to the gradient at any scale
+  (one 1e-7 per entry is sent as faithfully as one of 1). A column of Q
+  that comes back all zero (the matrix and its residual were zero for a
+  step) keeps its previous value, so the matrix is sent again once it is
+  not zero. The residual
   is M - P Q^T. Before ``start_step`` every leaf goes dense (note: the compiled
   program then holds both paths, and its HLO lists the collectives of both).
 
