@@ -83,7 +83,7 @@ def compression(method: str, options: Dict[str, Any], axis_name: Any):
     raise SystemExit(f"--method must be one of {sorted(jaxcomp.METHODS)}, got {method!r}")
   try:
     return jaxcomp.METHODS[method](axis_name=axis_name, **options)
-  except TypeError as e:
+  except (TypeError, ValueError) as e:
     raise SystemExit(f"--method {method}: bad option ({e})") from None
 
 

@@ -11,9 +11,10 @@ from jaxcomp.core import (CompressState, CompressionTransformation, Method, buil
 from jaxcomp.collectives.wire import received_bytes
 from jaxcomp.adam import onebit_adam, scale_by_onebit_adam, zero_one_adam
 from jaxcomp.devices import cpu_devices
+from jaxcomp.finite import apply_if_finite
 from jaxcomp.scatter import EXCHANGES, traffic
 from jaxcomp.memories import ef21, momentum_correction
-from jaxcomp import recipes
+from jaxcomp import checkpoint, recipes  # checkpoint imports orbax only when called
 from jaxcomp.recipes import recipe, recipe_method
 from jaxcomp.parallel import DataParallel, data_parallel
 from jaxcomp.sharding import local, per_worker, stacked
@@ -51,8 +52,8 @@ METHODS = {
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompressState", "CompressionTransformation", "Method", "METHODS", "build",
+    "CompressState", "CompressionTransformation", "Method", "METHODS", "apply_if_finite", "build",
     "collective_bytes", "configure", "staged", "data_parallel", "DataParallel", "steady", "wire_bytes_by_axis", "ratio_warmup", "warmup_stages", "cpu_devices", "ef21", "momentum_correction", "recipe", "recipe_method", "recipes", "dgc_warmup_schedule", "local", "measure_wire_bytes", "memory_tree",
-    "per_worker", "stacked", "wire_bytes", "EXCHANGES", "traffic", "received_bytes",
+    "checkpoint", "per_worker", "stacked", "wire_bytes", "EXCHANGES", "traffic", "received_bytes",
     "onebit_adam", "scale_by_onebit_adam", "demo", "zero_one_adam",
 ] + sorted(METHODS)

@@ -13,8 +13,10 @@ not with the number of leaves.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import jax
@@ -23,7 +25,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp import hierarchy, layout, scatter
+from jaxcomp import finite, hierarchy, layout, scatter
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import Axis, AxisName, check_axis_name, current_axis
 
@@ -484,6 +486,85 @@ class CompressionTransformation(optax.GradientTransformation):
   method: Method
 
 
+class _Recorders(threading.local):
+  """Per thread: the lists collecting the jaxcomp transformations whose init runs (see compressor())."""
+
+  def __init__(self):
+    self.stack: list = []
+
+
+_RECORDERS = _Recorders()
+
+
+@contextlib.contextmanager
+def _recording():
+  """Collects the jaxcomp transformations whose ``init`` runs inside the block in this thread."""
+  found: list = []
+  _RECORDERS.stack.append(found)
+  try:
+    yield found
+  finally:
+    _RECORDERS.stack.remove(found)
+
+
+def _signature(tree) -> tuple:
+  """(key path, shape) of every leaf: what tx.init saw, checked by tx.update.
+
+  Not the treedef: a dict and a FrozenDict with the same keys agree.
+  """
+  return tuple((jax.tree_util.keystr(p), tuple(np.shape(x)))
+               for p, x in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+SIGNATURES_KEPT = 64  # the trees one transformation remembers tx.init being called on (the latest kept)
+
+
+def _check_signature(got: tuple, seen: list) -> None:
+  """Raises unless the gradients' leaves (paths and shapes) are those of a tree tx.init was called on."""
+  if not seen or got in seen:
+    return
+
+  def common(want):
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+  want = max(reversed(seen), key=common)  # the closest (the latest among equals)
+  i = common(want)
+  gp, gs = got[i] if i < len(got) else (None, None)
+  wp, ws = want[i] if i < len(want) else (None, None)
+  if gp is not None and gp == wp:
+    what = f"leaf {gp} has shape {gs}, tx.init saw {ws}"
+  elif gp is not None and gp not in {p for p, _ in want}:
+    what = f"leaf {gp} (shape {gs}) is not in the tree tx.init saw" + (
+        f", which has leaf {wp} (shape {ws}) there" if wp is not None else "")
+  elif wp is not None and wp not in {p for p, _ in got}:
+    what = f"the gradients lack leaf {wp} (shape {ws}) that tx.init saw"
+  else:
+    what = f"leaf {gp} (shape {gs}) stands where tx.init saw leaf {wp} (shape {ws})"
+  raise ValueError(
+      f"updates do not match the state: {what} ({len(got)} gradient leaves, {len(want)} in tx.init's"
+      " tree). Pass gradients with the structure, key names and shapes of the parameters given to"
+      " tx.init (or call tx.init on parameters like the gradients).")
+
+
+def _check_count(state) -> None:
+  """A per-worker state (leading worker axis) reaching tx.update outside pmap, or without jaxcomp.local."""
+  shape = tuple(np.shape(state.count))
+  if shape == ():
+    return
+  if shape == (1,):
+    raise ValueError(
+        "state has a leading worker axis of size 1: inside shard_map call"
+        " tx.update(jaxcomp.local(grads), jaxcomp.local(state)) and return jaxcomp.stacked(state)"
+        " (its count has shape (1,), a scalar in the state tx.init made)")
+  if len(shape) == 1:
+    raise ValueError(
+        f"state has a leading worker axis of size {shape[0]}: a per-worker state (jaxcomp.per_worker)"
+        " goes through tx.update inside jax.pmap, or inside jax.shard_map with in_specs P(axis) and"
+        " jaxcomp.local(state); outside them use tx.init(params)'s state as it is (its count has shape"
+        f" {shape}, a scalar in the state tx.init made)")
+  raise ValueError(f"state.count must be a scalar int32 (a state from tx.init), got shape {shape}")
+
+
 def _check_leaves(leaves, paths):
   for leaf, path in zip(leaves, paths):
     if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
@@ -658,7 +739,14 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
       return full
     return hierarchy.chunked(full, current_axis(dense_axis_name).size)
 
+  seen: list = []  # _signature of each tree init was called on (kept here: the state is arrays only)
+
   def init_fn(params):
+    if _RECORDERS.stack:  # compressor(): only which jaxcomp transformations a chain holds matters
+      if not any(t is tx for t in _RECORDERS.stack[-1]):
+        _RECORDERS.stack[-1].append(tx)
+      return CompressState(count=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed), memory=(),
+                           extra=(), phase=jnp.zeros((), jnp.uint32))
     key = jax.random.PRNGKey(seed)
     if dense_axis_name is not None:
       try:
@@ -687,13 +775,21 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
               f"stages: the stage from step {first} keeps exchange state of another shape than the"
               f" first stage ({method.name}'s state depends on the setting the stages change, e.g."
               " PowerSGD's Q on the rank); schedule a setting that leaves the state alike")
+    signature = _signature(params)
+    if signature not in seen:
+      seen.append(signature)
+      layout.warn_if_mostly_dense(method, params, DENSE)  # once per tree this tx sees
+      del seen[:-SIGNATURES_KEPT]
     return CompressState(
         count=jnp.zeros((), jnp.int32), key=key,
         memory=method.memory.init(zeros), extra=extra, phase=jnp.zeros((), jnp.uint32))
 
   def update_fn(updates, state, params=None):
+    finite.check_not_under_optax_apply_if_finite(axis_name)
     if not isinstance(state, CompressState):
       raise TypeError(f"state must be the CompressState from tx.init, got {type(state).__name__}")
+    _check_count(state)
+    _check_signature(_signature(updates), seen)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
     leaves = [leaf for _, leaf in paths_leaves]
     _check_leaves(leaves, [p for p, _ in paths_leaves])
@@ -910,17 +1006,40 @@ def compressed_optimizer(tx: optax.GradientTransformation, compressor_: Any) -> 
   return out
 
 
-def compressor(tx: Any) -> Any:
-  """The jaxcomp transformation of ``tx``: ``tx`` itself, or a complete optimizer's ``tx.compressor``.
+def compressor(tx: Any, params: Any = None) -> Any:
+  """The jaxcomp transformation of ``tx``: itself, a complete optimizer's ``.compressor``, or the one inside.
 
   Complete optimizers that own their exchange (:func:`jaxcomp.onebit_adam`,
   :func:`jaxcomp.demo`) carry the jaxcomp transformation that moves their
   payload as ``.compressor``, so :func:`wire_bytes` and the benches read it.
+  Any other optax transformation (``optax.chain``, ``optax.MultiSteps``,
+  ``optax.apply_if_finite``, ``optax.inject_hyperparams``, ...) is searched
+  with ``params``: its ``init`` is traced (``jax.eval_shape``, nothing is
+  computed) and the jaxcomp transformations whose ``init`` ran are the ones
+  it holds; exactly one is expected.
+
+  Without ``params`` a ``tx`` that is neither is returned unchanged.
+
+  Raises:
+    TypeError: ``params`` given and ``tx`` holds no jaxcomp transformation.
+    ValueError: ``tx`` holds more than one.
   """
   if isinstance(getattr(tx, "method", None), Method):
     return tx
   inner = getattr(tx, "compressor", None)
-  return inner if isinstance(getattr(inner, "method", None), Method) else tx
+  if isinstance(getattr(inner, "method", None), Method):
+    return inner
+  if params is None or not callable(getattr(tx, "init", None)):
+    return tx
+  with _recording() as found:
+    jax.eval_shape(lambda p: tx.init(p), params)  # a new function each time: no cached trace
+  if not found:
+    raise TypeError(f"tx holds no jaxcomp transformation (built by a jaxcomp factory): {tx!r}")
+  if len(found) > 1:
+    raise ValueError(
+        f"tx holds {len(found)} jaxcomp transformations ({', '.join(t.method.name for t in found)});"
+        " pass the one to measure")
+  return found[0]
 
 
 def wire_bytes(tx: Any, params: Any, step: int | None = None, workers: int | None = None) -> int:
@@ -934,9 +1053,10 @@ def wire_bytes(tx: Any, params: Any, step: int | None = None, workers: int | Non
   the steady state (the last stage). ``workers``: the number of workers N,
   needed with ``exchange="scatter"``, whose worker hands N chunk payloads to
   an all-to-all and one to an all-gather (each about 1/N of the bucket's).
-  A complete optimizer (``onebit_adam``, ``demo``) counts its ``.compressor``.
+  A complete optimizer (``onebit_adam``, ``demo``) counts its ``.compressor``; any other optax
+  transformation (a chain...) the one jaxcomp transformation it holds (:func:`compressor`).
   """
-  tx = compressor(tx)
+  tx = compressor(tx, params)
   method = getattr(tx, "method", None)
   if not isinstance(method, Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
@@ -947,17 +1067,26 @@ def wire_bytes(tx: Any, params: Any, step: int | None = None, workers: int | Non
                            workers=workers)
 
 
-def steady(tx: Any) -> CompressionTransformation:
+def steady(tx: Any, params: Any = None) -> CompressionTransformation:
   """``tx`` after its warm-up: its last stage alone, without a dense start.
 
   For measuring the steady state (its compiled program holds one stage's
   collectives, where ``tx``'s holds every stage's); ``tx`` itself is returned
   when it has no warm-up. The state is alike, so one carries over to the other.
+
+  ``tx`` may also be a complete optimizer (its ``.compressor``) or any optax
+  transformation holding one jaxcomp transformation (an ``optax.chain``...):
+  then pass ``params`` to find it (see :func:`compressor`), and the result is
+  the steady jaxcomp transformation alone, not the chain.
   """
-  tx = compressor(tx)
-  method = getattr(tx, "method", None)
+  inner = compressor(tx, params)
+  method = getattr(inner, "method", None)
   if not isinstance(method, Method):
+    if callable(getattr(tx, "init", None)):
+      raise TypeError(f"steady: tx is not a jaxcomp transformation; for an optax transformation holding"
+                      f" one (a chain...) pass the parameters, jaxcomp.steady(tx, params), got {tx!r}")
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
+  tx = inner
   if not method.stages and not method.start_step:
     return tx
   return build(method.steady(), tx.axis_name, tx.seed, dense_axis_name=getattr(tx, "dense_axis_name", None))
@@ -975,7 +1104,9 @@ def wire_bytes_by_axis(tx: Any, params: Any, dense_axis_size: int, step: int | N
   axis; methods that are not chunked (PowerSGD, ACP-SGD) all-reduce every
   bucket over the fast axis and exchange it whole over the slow one.
   ``workers``: the slow axis's size, needed with ``exchange="scatter"``.
+  ``tx`` may be any optax transformation holding one (see :func:`compressor`).
   """
+  tx = compressor(tx, params)
   method = getattr(tx, "method", None)
   fast_name = getattr(tx, "dense_axis_name", None)
   if not isinstance(method, Method) or fast_name is None:

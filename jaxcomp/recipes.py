@@ -1,11 +1,15 @@
-"""One optax chain per method: where dense training uses ``optax.sgd(lr, momentum=0.9)``.
+"""One optax chain per method: where dense training uses ``optax.sgd(lr, momentum=0.9)`` or ``adamw(lr)``.
 
 ``jaxcomp.recipe(name, learning_rate, axis_name=...)`` returns the whole
 chain a method should use in that place: the method, its memory and warm-up,
 and the outer optimizer. :data:`RECIPES` states each choice and why; the
 README's recipe table is printed from it (``python -m jaxcomp.bench recipes``).
+``optimizer="adamw"`` gives the recipe for ``optax.adamw``'s place instead
+(:data:`ADAMW_RECIPES`, kinds described by :class:`AdamWRecipe`). Every
+setting of the method's factory and of the optimizer passes through
+``recipe``'s keyword arguments and overrides the recipe's.
 
-Three kinds of recipe:
+The kinds of SGD recipe:
 
 - ``"outer"``: the method, then ``sgd(lr, momentum)``. For methods whose
   output is an unbiased or nearly lossless gradient estimate (the dense
@@ -19,7 +23,7 @@ Three kinds of recipe:
 - ``"ef21"``: the method with :func:`jaxcomp.ef21` (its output is a running
   gradient estimate, never an amplified residual), then ``sgd(lr, momentum)``.
 - ``"own"``: methods that keep a momentum of their own (DGC's correction,
-  Signum's local momentum) get ``sgd(lr)``; a sign output gets a scaled
+  Signum's local momentum, set to ``recipe``'s ``momentum``) get ``sgd(lr)``; a sign output gets a scaled
   learning rate (its entries are +-1, not a gradient).
 - ``"after"``: ``sgd(lr, momentum)`` first, then the method, which
   compresses the update (SBC's communication delay accumulates updates).
@@ -98,8 +102,9 @@ RECIPES: dict[str, Recipe] = {
                       " (100 steps: 93.1% with it, 88.3% without)", warmup_steps=40),
     "signum": Recipe("own", "local momentum, majority vote of signs: a +-1 step, lr scaled",
                      lr_scale=0.02),
-    "sbc": Recipe("after", "compresses the optimizer's update, as in the paper: sgd(lr, momentum) first;"
-                  " the paper's regime: 1% per side, a sync every 4 steps, every leaf (> 1000x)",
+    "sbc": Recipe("after", "compresses the optimizer's update, as in the paper: wraps sgd(lr, momentum)"
+                  " (sbc(optimizer=...)); the paper's regime: 1% per side, a sync every 4 steps, every leaf"
+                  " (> 1000x)",
                   method_kwargs=(("delay", 4), ("min_size", 1))),
 }
 
@@ -163,14 +168,15 @@ ADAMW_RECIPES: dict[str, AdamWRecipe] = {
                            " average), variance frozen after 100 steps (lm: 1.738, 1000 steps 1.363; 10%:"
                            " 1.896, 1.406; 1%: 2.109, 1.868; EF21 2.732, Adam's update 2.912)",
                            method_kwargs=(("ratio", 0.25),), start_step=100),
-    "threshold": AdamWRecipe("momentum", "the momentum's entries above 1e-3 (capacity 10%), variance frozen"
-                             " after 100 steps (lm: 1.783, 1000 steps 1.348; at its 0.01: 2.049, 1.635; 1e-4"
-                             " 1.865; EF21 2.505, Adam's update 2.172)", method_kwargs=(("v", 1e-3),),
+    "threshold": AdamWRecipe("momentum", "the momentum's entries above 1.5 x their leaf's RMS (capacity"
+                             " 10%, any scale), variance frozen after 100 steps (lm: 1.656; v_rms 1.25 1.677,"
+                             " 2.0 1.720, 3.0 2.009; absolute v=1e-3 1.783, 1000 steps 1.348; 0.01 2.049;"
+                             " EF21 2.505, Adam's update 2.172)", method_kwargs=(("v_rms", 1.5),),
                              start_step=100),
     "adaq": AdamWRecipe("momentum", "sparse and quantized momentum, variance frozen after 60 steps (lm:"
                         " 1.600; EF21 1.927)", start_step=60),
-    "inceptionn": AdamWRecipe("grad", "lossy code, nearly unbiased, into Adam (lm: 1.640; EF21 1.676, on the"
-                              " momentum 1.760)"),
+    "inceptionn": AdamWRecipe("grad", "lossy code, nearly unbiased, into Adam (lm: 1.630; absolute bound"
+                              " 2**-10: 1.640, EF21 1.676, on the momentum 1.760)"),
     "dgc": AdamWRecipe("momentum", "5% of Adam's momentum (DGC's own momentum off: Adam's is the one),"
                        " variance frozen after 100 steps (lm: 1.683, 1000 steps 1.346; at its 0.1%: 2.083,"
                        " 1.665; Adam's update 2.266)",
@@ -211,55 +217,78 @@ ADAMW = {"b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 1e-4}  # optax.ada
 
 
 def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = None, *,
-           optimizer: str = "sgd", momentum: float = 0.9, **method_kwargs) -> optax.GradientTransformation:
-  """The optax chain method ``name`` should use where dense training uses ``sgd(lr, momentum)``.
+           optimizer: str = "sgd", momentum: float | None = None, **kwargs) -> optax.GradientTransformation:
+  """The optax chain method ``name`` should use where dense training uses ``sgd(lr, momentum)`` (or adamw).
 
   Args:
-    name: a method of :data:`jaxcomp.METHODS`.
+    name: a method of :data:`jaxcomp.METHODS` (with ``optimizer="adamw"``
+      also ``"onebit_adam"``, ``"zero_one_adam"``, ``"demo"``: see
+      :data:`ADAMW_RECIPES`).
     learning_rate: dense training's learning rate (a float or an optax schedule).
     axis_name: the data-parallel axis, as for the factories.
-    optimizer: ``"sgd"`` (momentum SGD), the only one so far.
-    momentum: dense training's momentum (0.9).
-    **method_kwargs: the factory's settings (override the recipe's).
+    optimizer: ``"sgd"`` (momentum SGD, :data:`RECIPES`) or ``"adamw"``
+      (``optax.adamw``'s defaults with weight decay 1e-4, :data:`ADAMW_RECIPES`).
+    momentum: with ``"sgd"``, dense training's momentum (default 0.9): the
+      outer ``sgd``'s, the momentum correction's, or the method's own
+      momentum (DGC, Signum). With ``"adamw"`` (whose momentum is ``b1``),
+      the method's own ``momentum=`` setting, if it has one.
+    **kwargs: settings of the method's factory and of the optimizer (the
+      caller's override the recipe's): with ``"sgd"``, ``optax.sgd``'s
+      ``nesterov`` and ``accumulator_dtype``; with ``"adamw"``,
+      ``optax.adamw``'s (``b1``, ``b2``, ``eps``, ``weight_decay``, ...), or
+      for recipes on the momentum :func:`jaxcomp.onebit_adam`'s
+      (``freeze_step``, ``exchange``, ...), or the complete optimizer's.
 
   Returns:
-    The optax chain (``sgd`` after the method, or before it for ``"after"``
-    recipes). For byte counts pass :func:`recipe_method`'s transform to
-    :func:`jaxcomp.wire_bytes`.
+    The optax chain (``sgd`` after the method; for ``"after"`` recipes the
+    method wrapping ``sgd``, whose update it compresses, with
+    ``.compressor``); with ``"adamw"`` a complete optimizer with
+    ``.compressor``. :func:`jaxcomp.wire_bytes` counts any of them.
+
+  Raises:
+    TypeError: a keyword argument that neither the factory nor the optimizer
+      takes (the message names both).
   """
-  _args.choice("optimizer", optimizer, OPTIMIZERS)
-  if optimizer == "adamw":
-    return _adamw_recipe(name, learning_rate, axis_name, **method_kwargs)
-  name = _args.choice("name", name, tuple(RECIPES))
-  m = _args.unit_interval("momentum", momentum)
-  tx = recipe_method(name, axis_name, momentum=m, **method_kwargs)
-  r = RECIPES[name]
-  lr = learning_rate if r.lr_scale == 1.0 else _scaled(learning_rate, r.lr_scale)
-  if r.kind in ("outer", "ef21", "after"):
-    outer = optax.sgd(lr, momentum=m or None)
-  else:
-    outer = optax.sgd(lr)
-  return optax.chain(outer, tx) if r.kind == "after" else optax.chain(tx, outer)
-
-
-def recipe_method(name: str, axis_name: Any = None, *, optimizer: str = "sgd", momentum: float = 0.9,
-                  **method_kwargs):
-  """The compression transform of :func:`recipe` alone (for :func:`jaxcomp.wire_bytes`)."""
   from jaxcomp import METHODS  # the registry imports this module
 
   _args.choice("optimizer", optimizer, OPTIMIZERS)
   if optimizer == "adamw":
-    return _adamw_recipe(name, 1e-3, axis_name, **method_kwargs).compressor
+    return _adamw_recipe(name, learning_rate, axis_name, momentum, **kwargs)
   name = _args.choice("name", name, tuple(RECIPES))
+  m = _args.unit_interval("momentum", 0.9 if momentum is None else momentum)
   r = RECIPES[name]
-  kwargs = dict(r.method_kwargs)
-  if name == "redsync" and r.kind == "own":
-    kwargs["momentum"] = momentum
-  kwargs.update(method_kwargs)
+  method_kw, sgd_kw = _split(name, "sgd", kwargs, (name, _takes(METHODS[name], "axis_name", "optimizer")),
+                             ("optax.sgd", _takes(optax.sgd, "learning_rate", "momentum")))
+  lr = learning_rate if r.lr_scale == 1.0 else _scaled(learning_rate, r.lr_scale)
+  outer = optax.sgd(lr, momentum=(m or None) if r.kind in ("outer", "ef21", "after") else None, **sgd_kw)
+  if r.kind == "after":  # the method wraps the optimizer and compresses its update (SBC's delay)
+    return METHODS[name](axis_name=axis_name, optimizer=outer, **{**dict(r.method_kwargs), **method_kw})
+  return optax.chain(recipe_method(name, axis_name, momentum=m, **method_kw), outer)
+
+
+def recipe_method(name: str, axis_name: Any = None, *, optimizer: str = "sgd", momentum: float | None = None,
+                  **kwargs):
+  """The compression transform of :func:`recipe` alone; the same arguments (the optimizer's are unused)."""
+  from jaxcomp import METHODS  # the registry imports this module
+
+  _args.choice("optimizer", optimizer, OPTIMIZERS)
+  if optimizer == "adamw":
+    return _adamw_recipe(name, 1e-3, axis_name, momentum, **kwargs).compressor
+  name = _args.choice("name", name, tuple(RECIPES))
+  momentum = _args.unit_interval("momentum", 0.9 if momentum is None else momentum)
+  r = RECIPES[name]
   factory = METHODS[name]
+  method_kw, _ = _split(name, "sgd", kwargs, (name, _takes(factory, "axis_name", "optimizer")),
+                        ("optax.sgd", _takes(optax.sgd, "learning_rate", "momentum")))
+  kwargs = dict(r.method_kwargs)
+  if r.kind == "own" and "momentum" in inspect.signature(factory).parameters:
+    kwargs["momentum"] = momentum  # the method's own momentum stands for sgd's
+  kwargs.update(method_kw)
   if r.warmup_steps:
     ratio = kwargs.pop("ratio", inspect.signature(factory).parameters["ratio"].default)
     tx = ratio_warmup(factory, ratio, r.warmup_steps, axis_name=axis_name, **kwargs)
+  elif r.kind == "after":  # it wraps the optimizer (recipe()); here only its compression transform
+    tx = factory(axis_name=axis_name, optimizer=optax.identity(), **kwargs).compressor
   else:
     tx = factory(axis_name=axis_name, **kwargs)
   if r.kind == "inner" and momentum > 0:
@@ -271,41 +300,84 @@ def recipe_method(name: str, axis_name: Any = None, *, optimizer: str = "sgd", m
   return tx
 
 
+def _takes(fn, *exclude) -> frozenset | None:
+  """The keyword arguments ``fn`` takes, less ``exclude`` (set by the recipe); None: any (``**kwargs``)."""
+  params = inspect.signature(fn).parameters.values()
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    return None
+  return frozenset(p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                        inspect.Parameter.KEYWORD_ONLY)) - set(exclude)
+
+
+def _split(name, optimizer, kwargs, *takers) -> list:
+  """``kwargs`` as one dict per ``(label, names it takes)`` (the first that takes a name gets it).
+
+  Raises TypeError naming a keyword argument none of them takes.
+  """
+  out = [{} for _ in takers]
+  for key, value in kwargs.items():
+    for (_, names), got in zip(takers, out):
+      if names is None or key in names:
+        got[key] = value
+        break
+    else:
+      takes = "; ".join(f"{label} takes {', '.join(sorted(names))}" for label, names in takers)
+      raise TypeError(f"recipe({name!r}, optimizer={optimizer!r}) got an unexpected keyword argument {key!r}:"
+                      f" neither the method nor the optimizer takes it ({takes})"
+                      + ("; AdamW's momentum is b1" if key == "momentum" and optimizer == "adamw" else ""))
+  return out
+
+
 def _scaled(learning_rate, scale):
   if callable(learning_rate):
     return lambda count: scale * learning_rate(count)
   return scale * learning_rate
 
 
-def _adamw_recipe(name, learning_rate, axis_name, **method_kwargs):
+def _adamw_recipe(name, learning_rate, axis_name, momentum=None, **kwargs):
   """:func:`recipe` with ``optimizer="adamw"``: a complete optimizer with ``.compressor``."""
   from jaxcomp import METHODS, adam  # the registry imports this module
   from jaxcomp.core import compressed_optimizer
+  from jaxcomp.transforms.demo import demo  # noqa: PLC0415
 
   name = _args.choice("name", name, tuple(ADAMW_RECIPES))
   r = ADAMW_RECIPES[name]
   lr = learning_rate if r.lr_scale == 1.0 else _scaled(learning_rate, r.lr_scale)
-  kwargs = dict(r.method_kwargs)
-  kwargs.update(method_kwargs)
-  if r.kind == "optimizer":
-    from jaxcomp.transforms.demo import demo  # noqa: PLC0415
-
-    opt = {"onebit_adam": adam.onebit_adam, "zero_one_adam": adam.zero_one_adam, "demo": demo}[name]
-    if name == "onebit_adam":
-      kwargs.setdefault("freeze_step", r.start_step)
-    return opt(lr, axis_name=axis_name, weight_decay=ADAMW["weight_decay"], **kwargs)
-  if r.kind == "momentum":
-    return adam.onebit_adam(lr, axis_name=axis_name, codec=name, freeze_step=r.start_step,
-                            weight_decay=ADAMW["weight_decay"], **{"exchange": "gather", **kwargs})
-  tx = METHODS[name](axis_name=axis_name, **kwargs)
+  if momentum is not None:  # adamw's momentum is b1: this is the method's own setting
+    kwargs = {"momentum": momentum, **kwargs}
+  wd = {"weight_decay": ADAMW["weight_decay"]}
+  if r.kind in ("optimizer", "momentum"):  # a complete optimizer, or 1-bit Adam on the momentum
+    opt = {"zero_one_adam": adam.zero_one_adam, "demo": demo}.get(name, adam.onebit_adam)
+    fixed = ("learning_rate", "axis_name") + (("codec",) if r.kind == "momentum" else ())
+    takers = [(opt.__name__, frozenset(inspect.signature(opt).parameters) - {"codec_kwargs", *fixed})]
+    defaults = dict(wd)
+    if opt is adam.onebit_adam:
+      defaults["freeze_step"] = r.start_step
+    if r.kind == "momentum":
+      defaults["exchange"] = "gather"
+    settings = {**defaults, **dict(r.method_kwargs), **kwargs}
+    if _takes(opt) is None:  # onebit_adam, zero_one_adam: **codec_kwargs go to the codec's factory
+      codec = name if r.kind == "momentum" else settings.get("codec", "onebit")
+      takers.append((f"its codec {codec!r}", _takes(METHODS[codec], "axis_name", "exchange", "seed")
+                     if codec in METHODS else None))
+    parts = _split(name, "adamw", settings, *takers)
+    extra = {"codec": name} if r.kind == "momentum" else {}
+    return opt(lr, axis_name=axis_name, **extra, **{k: v for part in parts for k, v in part.items()})
+  factory = METHODS[name]
+  optimizer = {"sign": ("the sign step", frozenset({"weight_decay"}))}.get(
+      r.kind, ("optax.adamw", _takes(optax.adamw, "learning_rate")))
+  method_kw, opt_kw = _split(name, "adamw", kwargs, (name, _takes(factory, "axis_name", "optimizer")),
+                             optimizer)
+  tx = factory(axis_name=axis_name, **{**dict(r.method_kwargs), **method_kw})
   if r.kind == "ef21":
     tx = configure(tx, memory=ef21())
   if r.start_step:
     tx = configure(tx, start_step=r.start_step)
   if r.kind == "sign":
-    chain = optax.chain(tx, optax.add_decayed_weights(ADAMW["weight_decay"]), optax.scale_by_learning_rate(lr))
+    chain = optax.chain(tx, optax.add_decayed_weights({**wd, **opt_kw}["weight_decay"]),
+                        optax.scale_by_learning_rate(lr))
   elif r.kind == "after":
-    chain = optax.chain(optax.adamw(lr, **ADAMW), tx)
+    chain = optax.chain(optax.adamw(lr, **{**ADAMW, **opt_kw}), tx)
   else:
-    chain = optax.chain(tx, optax.adamw(lr, **ADAMW))
+    chain = optax.chain(tx, optax.adamw(lr, **{**ADAMW, **opt_kw}))
   return compressed_optimizer(chain, tx)

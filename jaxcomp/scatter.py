@@ -34,6 +34,19 @@ a sparsifier selects ``ratio * C`` entries in each owner's region (its static
 capacity per region; what is not selected stays in the worker's residual),
 and the owner selects ``ratio * C`` of its summed region again.
 
+A selection (a codec with ``selects = True``: top-k) hands back what the
+owner did not select, as Ok-Topk and gTop-k return the reduced values left
+out of the global top-k to the local residuals: an entry of the owner's
+phase-2 decode that is 0 is not delivered, so every worker counts its own
+phase-1 share of it as not sent (``local`` is 0 there) and keeps it in its
+residual, to select again; the owner keeps only what a selected value lost
+(a 16-bit value's rounding). Kept in the owner's residual instead, the
+(N - 1) / N of the summed region that phase 2 cannot select grows behind
+the workers' momentum (they count it as sent and move on to new entries):
+top-k's recipe lost 4 to 14 points on the digits MLP that way (issue 22).
+Without a worker memory (``error_feedback=False``) what the owner does not
+select is dropped, as what a worker does not select is.
+
 Psum-ed methods (none, fp16, bf16, randomk with its shared positions) already
 reduce with an all-reduce and keep it; PowerSGD, ACP-SGD (all-reduced
 factors) and SBC (its sync schedule and Golomb stream) have no scatter form
@@ -136,7 +149,14 @@ class ScatterExchange:
     chunks = _batched(lambda p, k: codec2.decode(p, k, cs), codec2, gathered, keys2).astype(jnp.float32)
     out = chunks.reshape(-1)[:length]
     sent = lax.dynamic_index_in_dim(chunks, me, keepdims=False)  # what every worker applied of chunk me
-    kept = jnp.where(inside, y - sent, 0.0)
+    if getattr(codec2, "selects", False):
+      # A selection (a sparsifier): an entry the owner did not select goes back to the workers
+      # that sent it (Ok-Topk, gTop-k): each keeps its own share in its residual and selects it
+      # again; the owner keeps only what a selected entry's value lost (and its old residual).
+      local = jnp.where(out != 0, local, 0.0)
+      kept = jnp.where(inside, jnp.where(sent != 0, y - sent, mine), 0.0)
+    else:
+      kept = jnp.where(inside, y - sent, 0.0)
     owner = lax.dynamic_update_slice_in_dim(jnp.zeros((n * c,), jnp.float32), kept, start, 0)[:length]
     return out, local, owner
 
@@ -201,11 +221,12 @@ def traffic(tx: Any, params: Any, workers: int) -> list:
   all-reduce where the method needs it. Per kind, the bytes equal those of
   the compiled program (``jaxcomp.collective_bytes``; XLA may merge
   collectives of one kind). Fused methods (ACP-SGD) are not covered: measure
-  their compiled program.
+  their compiled program. ``tx`` may be any optax transformation holding one
+  jaxcomp transformation (an ``optax.chain``...; see :func:`jaxcomp.core.compressor`).
   """
   from jaxcomp import core  # noqa: PLC0415 - core imports this module
 
-  tx = core.compressor(tx)
+  tx = core.compressor(tx, params)
   method = getattr(tx, "method", None)
   if not isinstance(method, core.Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")

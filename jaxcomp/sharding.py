@@ -13,6 +13,7 @@ from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
@@ -44,7 +45,27 @@ def per_worker(state: Any, workers: Union[int, Mesh], axis_name: Any = None) -> 
 
 
 def local(state: Any) -> Any:
-  """Inside ``shard_map``: drops the size-1 worker axis of a per-worker block."""
+  """Inside ``shard_map``: drops the size-1 worker axis of a per-worker block.
+
+  Raises:
+    ValueError: a leaf has no leading axis of size 1, e.g. a state that is not
+      per worker (made without :func:`per_worker`, or passed with
+      ``in_specs=P()``): the message says how to make it.
+  """
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    shape = tuple(np.shape(x))
+    if shape[:1] == (1,):
+      continue
+    where = f"jaxcomp.local got leaf {jax.tree_util.keystr(path)} of shape {shape}"
+    if not shape:
+      raise ValueError(
+          "the state is not per worker: make it with jaxcomp.per_worker(tx.init(params), mesh, axis) and"
+          f" pass it to shard_map with in_specs P(axis) ({where}, with no worker axis to drop;"
+          " gradients too are stacked per worker and passed with P(axis))")
+    raise ValueError(
+        f"{where}, not a worker's block with a leading axis of size 1: make the state with"
+        " jaxcomp.per_worker(tx.init(params), mesh, axis) and pass it to shard_map with in_specs"
+        " P(axis), which splits its worker axis over the workers")
   return jax.tree.map(lambda x: x[0], state)
 
 

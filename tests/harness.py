@@ -126,3 +126,45 @@ def mlp_logits(p, x):
 
 def mlp_loss(p, x, y):
   return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(mlp_logits(p, x)), y[:, None], axis=1))
+
+
+def digits_accuracy(tx, digits_data, steps: int, hidden: int = 64, batch: int = 16, replica_atol: float = 0.0):
+  """Held-out accuracy of the digits MLP trained by ``tx`` on 8 workers under pmap (one ``lax.scan``).
+
+  The replicas must agree to ``replica_atol`` (0: bit-identical; SBC lands within ulps of its anchor).
+  """
+  import optax
+
+  (xs, ys), (x_test, y_test) = digits_data
+
+  def run(params, state, x, y):
+    def step(carry, i):
+      params, state = carry
+      j = (i * batch) % (x.shape[0] - batch)
+      xb, yb = jax.lax.dynamic_slice_in_dim(x, j, batch), jax.lax.dynamic_slice_in_dim(y, j, batch)
+      updates, state = tx.update(jax.grad(mlp_loss)(params, xb, yb), state, params)
+      return (optax.apply_updates(params, updates), state), None
+
+    return jax.lax.scan(step, (params, state), jnp.arange(steps))[0][0]
+
+  params = mlp_init(hidden)
+  out = jax.pmap(run, axis_name=AXIS)(jaxcomp.per_worker(params, N), jaxcomp.per_worker(tx.init(params), N),
+                                      xs, ys)
+  for leaf in jax.tree.leaves(out):
+    a = np.asarray(leaf)
+    np.testing.assert_allclose(a, np.broadcast_to(a[:1], a.shape), rtol=0, atol=replica_atol)
+  p = jax.tree.map(lambda a: a[0], out)
+  return float(np.mean(np.argmax(np.asarray(mlp_logits(p, x_test)), -1) == y_test))
+
+
+def powersgd_initial_qs(tx, params):
+  """PowerSGD's initial Q ``(cols, r)`` of every compressed leaf (by leaf index), read from ``tx.init``'s state."""
+  from jaxcomp.transforms.lowrank import PowerSGDExchange, _view_groups
+
+  qs = {}
+  for b, extra in zip(tx.method.buckets(params), tx.init(params).extra):
+    if isinstance(b.exchange, PowerSGDExchange):
+      for (_, idx), Q in zip(_view_groups(b.segments), b.exchange.warm_start(b.segments, extra)):
+        for j, s in enumerate(idx):
+          qs[b.leaves[s]] = np.asarray(Q[j], np.float64)
+  return qs

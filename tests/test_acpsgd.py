@@ -10,10 +10,11 @@ import pytest
 from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, pmap_wire_bytes,
                      run_pmap, worker_grads)
 
+import harness
 import jaxcomp
 from jaxcomp.core import groups
 from jaxcomp.transforms.acpsgd import phases
-from jaxcomp.transforms.lowrank import PowerSGDExchange, _view_groups
+from jaxcomp.transforms.lowrank import PowerSGDExchange
 
 RANK = 2
 
@@ -179,12 +180,7 @@ def test_powersgd_batches_views_per_bucket_in_two_all_reduces_each():
   assert jaxcomp.collective_bytes(lowered.compile().as_text())["total"] == jaxcomp.wire_bytes(tx, params)
   leaves, treedef = jax.tree.flatten(params)
   names = treedef.unflatten(list(range(len(leaves))))
-  q = {}
-  for b, extra in zip(tx.method.buckets(params), tx.init(params).extra):
-    if isinstance(b.exchange, PowerSGDExchange):
-      for (_, idx), Q in zip(_view_groups(b.segments), b.exchange.warm_start(b.segments, extra)):
-        for j, s in enumerate(idx):
-          q[b.leaves[s]] = np.asarray(Q[j], np.float64)
+  q = harness.powersgd_initial_qs(tx, params)
   err = {i: 0.0 for i in q}
   for step in range(3):
     grads = worker_grads(params, seed=40 + step)

@@ -132,10 +132,10 @@ def test_unknown_options_are_named(name):
 # Odd gradients
 
 ZERO_IS_POSITIVE = {"signsgd", "signum"}
-# Non-finite output (a step to skip) from finite input at 1e30: fp16 cannot hold it, QSGD
-# squares it for its norm. Near float32's maximum (1e38) any method may overflow, most do:
-# they sum, average or round up.
-OVERFLOWS = {"fp16": {"huge"}, "qsgd": {"huge"}}
+# Non-finite output (a step to skip) from finite input at 1e30: QSGD squares it for its norm
+# (fp16 holds it: each leaf travels scaled by a shared power of two). Near float32's maximum
+# (1e38) any method may overflow, most do: they sum, average or round up.
+OVERFLOWS = {"qsgd": {"huge"}}
 MAY_OVERFLOW = {"max"}
 
 

@@ -24,6 +24,38 @@ def test_default_policy_sends_small_leaves_dense():
   assert kinds == {False: (2, 0), True: (1,)}
 
 
+SPARSE = ("topk", "randomk", "threshold", "dgc", "adaq", "redsync", "sbc")  # randomk, redsync: small leaves dense, within 1.15x
+
+
+@pytest.mark.parametrize("name", SPARSE)
+def test_sparsifiers_at_defaults_send_about_what_every_leaf_compressed_sends(name, monkeypatch):
+  """ResNet-50's 107 BN and bias vectors sent dense would dominate a 0.1-1% payload."""
+  from jaxcomp.bench import shapes
+  monkeypatch.setattr(jaxcomp.layout, "MIN_SIZE", conftest.DEFAULT_MIN_SIZE)  # the library's default
+  tree = shapes.abstract(shapes.resnet50_shapes())
+  factory = jaxcomp.METHODS[name]
+  default = jaxcomp.wire_bytes(factory(axis_name=AXIS), tree)
+  every = jaxcomp.wire_bytes(factory(axis_name=AXIS, min_size=1), tree)  # 0 or 1: every leaf
+  assert default <= 1.15 * every, (name, default, every)
+
+
+def test_a_tree_mostly_sent_dense_warns_once_at_init(monkeypatch):
+  monkeypatch.setattr(jaxcomp.layout, "MIN_SIZE", conftest.DEFAULT_MIN_SIZE)
+  small = {"w": jnp.zeros((20, 30)), "b": jnp.zeros((30,))}  # every leaf under 1024 entries
+  tx = jaxcomp.qsgd(axis_name=AXIS)
+  with pytest.warns(UserWarning, match=r"min_size=1024 .* travel dense .*min_size=0"):
+    tx.init(small)
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.init(small)  # once per tree
+    jaxcomp.qsgd(axis_name=AXIS, min_size=0).init(small)  # every leaf compressed: nothing to say
+    jaxcomp.topk(axis_name=AXIS).init(small)  # the sparsifiers compress every leaf by default
+    jaxcomp.qsgd(axis_name=AXIS, dense={"w": True, "b": True}).init(small)  # dense by choice
+    jaxcomp.none(axis_name=AXIS).init(small)  # the dense mean itself
+    jaxcomp.qsgd(axis_name=AXIS).init({"w": jnp.zeros((200, 30)), "b": jnp.zeros((30,))})  # mostly compressed
+
+
 def test_buckets_hold_at_most_bucket_bytes_in_reverse_order():
   tx = jaxcomp.signsgd(bucket_bytes=4 * 1500)
   buckets = tx.method.buckets(_tree())

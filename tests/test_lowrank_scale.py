@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from harness import AXIS, init_stacked, run_pmap, worker_grads
 
+import harness
 import jaxcomp
-from jaxcomp.transforms.lowrank import PowerSGDExchange, _view_groups, matrix_view
+from jaxcomp.transforms.lowrank import matrix_view
 
 W = 4  # workers
 STEPS = 4
@@ -80,14 +81,7 @@ def _torch_orthogonalize(m):
 
 def _initial_qs(tx):
   """The initial Q ``(cols, r)`` of every compressed leaf (by leaf index), read from jaxcomp's state."""
-  params = tree()
-  qs = {}
-  for b, extra in zip(tx.method.buckets(params), tx.init(params).extra):
-    if isinstance(b.exchange, PowerSGDExchange):
-      for (_, idx), Q in zip(_view_groups(b.segments), b.exchange.warm_start(b.segments, extra)):
-        for j, s in enumerate(idx):
-          qs[b.leaves[s]] = np.asarray(Q[j], np.float64)
-  return qs
+  return harness.powersgd_initial_qs(tx, tree())
 
 
 def torch_powersgd(q0, grads_per_step):
@@ -180,7 +174,7 @@ def test_gradient_of_lower_rank_is_projected_not_overshot(name):
   """
   tx = transform(name)
   rng = np.random.default_rng(7)
-  grads, xs = [], []
+  grads = []
   for step in range(STEPS):
     g = {}
     for k, leaf in tree().items():

@@ -151,12 +151,15 @@ def test_nominal_payload_bytes(name, factory, expected):
 
 
 def test_small_leaves_pay_for_what_they_hold():
-  # SketchML never sends more means than entries; INCEPTIONN sends a stream byte per leaf.
+  # SketchML never sends more means than entries; INCEPTIONN (absolute bound) a stream byte per leaf.
   # Both leaves share a bucket: each is padded to 128 entries, the indices (4 bits:
   # up to 10 means) and tags (2 bits) of the 256 entries are packed together.
   params = {"one": jnp.zeros(()), "ten": jnp.zeros((10,))}
   assert jaxcomp.wire_bytes(jaxcomp.sketchml(), params) == (1 + 10) * 4 + 256 // 2
-  assert jaxcomp.wire_bytes(jaxcomp.inceptionn(capacity=0.01), params) == 256 // 4 + (1 + 1)
+  absolute = jaxcomp.inceptionn(error_bound=2.0 ** -10, capacity=0.01)
+  assert jaxcomp.wire_bytes(absolute, params) == 256 // 4 + (1 + 1)
+  # The relative bound's streams hold its float32 step and room for the largest value (2 bytes).
+  assert jaxcomp.wire_bytes(jaxcomp.inceptionn(capacity=0.01), params) == 256 // 4 + (6 + 6)
   # A leaf alone: one mean and no index.
   assert jaxcomp.wire_bytes(jaxcomp.sketchml(), {"one": jnp.zeros(())}) == 4
 
@@ -544,10 +547,14 @@ def test_inceptionn_error_bound_property(x, error_bound, seed):
   assert np.all(np.abs(dec.astype(np.float64) - x) <= error_bound)
 
 
-def test_inceptionn_overflow_stays_in_the_residual_and_rotates():
+@pytest.mark.parametrize("kwargs,most", [
+    ({"error_bound": 2.0 ** -10}, 64),  # absolute bound: 16-bit values, 64 fit per step
+    ({}, 124),  # relative bound (default): the 4-byte step, then at most 124 8-bit values
+])
+def test_inceptionn_overflow_stays_in_the_residual_and_rotates(kwargs, most):
   """Stream for a quarter of the values: nothing is lost and no position starves."""
-  tx = jaxcomp.inceptionn(capacity=0.5, axis_name=None)
-  g = {"w": jnp.ones((256,), jnp.float32)}  # 16-bit values: 64 fit per step
+  tx = jaxcomp.inceptionn(capacity=0.5, axis_name=None, **kwargs)
+  g = {"w": jnp.ones((256,), jnp.float32)}
   steps = 40
 
   def body(state, _):
@@ -557,7 +564,7 @@ def test_inceptionn_overflow_stays_in_the_residual_and_rotates():
   state, outs = jax.jit(lambda s: jax.lax.scan(body, s, None, length=steps))(tx.init(g))
   outs = np.asarray(outs, np.float64)
   assert np.all((outs != 0).any(axis=0))  # every position was sent at some step
-  assert np.all((outs != 0).sum(axis=1) <= 64)
+  assert np.all((outs != 0).sum(axis=1) <= most)
   residual = jaxcomp.memory_tree(tx, state, g)["w"]
   np.testing.assert_allclose(outs.sum(0) + np.asarray(residual), steps, rtol=1e-6)
 

@@ -1,14 +1,12 @@
 """jaxcomp.recipe on a second real task: an MLP on scikit-learn's digits, every method, 8 workers."""
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import conftest
 import optax
 import pytest
 
 import jaxcomp
 import harness
-from harness import AXIS, N
+from harness import AXIS
 
 HIDDEN, STEPS, BATCH, LR = 64, 200, 16, 0.1
 
@@ -19,26 +17,7 @@ def digits():
 
 
 def _accuracy(tx, digits):
-  (xs, ys), (x_test, y_test) = digits
-
-  def run(params, state, x, y):
-    def step(carry, i):
-      params, state = carry
-      j = (i * BATCH) % (x.shape[0] - BATCH)
-      xb, yb = jax.lax.dynamic_slice_in_dim(x, j, BATCH), jax.lax.dynamic_slice_in_dim(y, j, BATCH)
-      updates, state = tx.update(jax.grad(harness.mlp_loss)(params, xb, yb), state, params)
-      return (optax.apply_updates(params, updates), state), None
-
-    return jax.lax.scan(step, (params, state), jnp.arange(STEPS))[0][0]
-
-  params = harness.mlp_init(HIDDEN)
-  out = jax.pmap(run, axis_name=AXIS)(jaxcomp.per_worker(params, N), jaxcomp.per_worker(tx.init(params), N),
-                                      xs, ys)
-  for leaf in jax.tree.leaves(out):  # replicas agree (SBC's within ulps of its anchor)
-    a = np.asarray(leaf)
-    np.testing.assert_allclose(a, np.broadcast_to(a[:1], a.shape), rtol=0, atol=1e-5)
-  p = jax.tree.map(lambda a: a[0], out)
-  return float(np.mean(np.argmax(np.asarray(harness.mlp_logits(p, x_test)), -1) == y_test))
+  return harness.digits_accuracy(tx, digits, STEPS, HIDDEN, BATCH, replica_atol=1e-5)  # SBC: within ulps
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +25,15 @@ def dense_accuracy(digits):
   return _accuracy(jaxcomp.recipe("none", LR, axis_name=AXIS), digits)
 
 
+def _default_policy(name):
+  """The library's default leaf policy (conftest compresses every leaf): 1024 where the method has no own."""
+  return {} if jaxcomp.METHODS[name]().method.min_size is not None else {"min_size": conftest.DEFAULT_MIN_SIZE}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(jaxcomp.METHODS) - {"none"}))
 def test_every_recipe_lands_within_2_points_of_dense(name, digits, dense_accuracy):
-  # The library's default leaf policy (conftest compresses every leaf; here small leaves go dense).
-  tx = jaxcomp.recipe(name, LR, axis_name=AXIS, min_size=1024)
+  tx = jaxcomp.recipe(name, LR, axis_name=AXIS, **_default_policy(name))
   acc = _accuracy(tx, digits)
   print(f"{name}: {100 * acc:.1f}% (dense {100 * dense_accuracy:.1f}%)")
   assert acc >= dense_accuracy - 0.02
@@ -67,7 +50,7 @@ def dense_adamw_accuracy(digits):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(jaxcomp.recipes.ADAMW_RECIPES) - {"none"}))
 def test_every_adamw_recipe_lands_within_2_points_of_dense_adamw(name, digits, dense_adamw_accuracy):
-  kw = {} if jaxcomp.recipes.ADAMW_RECIPES[name].kind == "optimizer" else {"min_size": 1024}
+  kw = {} if jaxcomp.recipes.ADAMW_RECIPES[name].kind == "optimizer" else _default_policy(name)
   tx = jaxcomp.recipe(name, ADAMW_LR, axis_name=AXIS, optimizer="adamw", **kw)
   acc = _accuracy(tx, digits)
   print(f"{name}: {100 * acc:.1f}% (dense AdamW {100 * dense_adamw_accuracy:.1f}%)")

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,15 @@ from jaxcomp.collectives import golomb
 from jaxcomp.transforms.sbc import SBCState
 
 SPARSITY = 0.05
+
+
+def _sbc_alone(**kwargs):
+  """SBC by itself, its input the updates: with a delay, the transformation inside ``sbc(optimizer=...)``."""
+  return jaxcomp.sbc(optimizer=optax.identity(), **kwargs).compressor
+
+
 # Shared so that each compiles once (the harness caches compiled steps per transform).
-TX = {delay: jaxcomp.sbc(sparsity=SPARSITY, delay=delay, axis_name=AXIS) for delay in (1, 2)}
+TX = {delay: _sbc_alone(sparsity=SPARSITY, delay=delay, axis_name=AXIS) for delay in (1, 2)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,7 +227,7 @@ def test_non_finite_update_skips_the_step_without_touching_the_state():
 def test_dense_leaves_are_averaged_every_step_in_their_own_bucket():
   params = params_tree()
   mask = jax.tree.map(lambda x: x.ndim == 4, params)  # the conv kernel
-  tx = jaxcomp.sbc(sparsity=SPARSITY, delay=2, axis_name=AXIS, dense=mask, min_size=100)  # and the bias
+  tx = _sbc_alone(sparsity=SPARSITY, delay=2, axis_name=AXIS, dense=mask, min_size=100)  # and the bias
   kinds = sorted((type(b.exchange).__name__, len(b.leaves)) for b in tx.method.buckets(params))
   assert kinds == [("CodecExchange", 3), ("SBCExchange", 1)]
   state, p = init_stacked(tx, params), _worker_params(params)
@@ -236,7 +244,7 @@ def test_dense_leaves_are_averaged_every_step_in_their_own_bucket():
 
 
 def test_delay_needs_the_parameters():
-  tx = jaxcomp.sbc(delay=2)
+  tx = jaxcomp.sbc(delay=2, optimizer=optax.sgd(0.1))
   params = params_tree()
   match = r"sbc with delay=2 needs the parameters: call tx.update\(updates, state, params\)"
   with pytest.raises(ValueError, match=match):  # at trace time
@@ -256,6 +264,105 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises((TypeError, ValueError), match=match):
       jaxcomp.sbc(**kwargs)
   assert isinstance(jaxcomp.sbc().init(params_tree()).extra[0], SBCState)
+
+
+# ----------------------------------------------------------------------------
+# The placement (issue 22): with a delay, SBC wraps the optimizer whose updates it compresses.
+
+
+def test_delay_without_optimizer_raises_at_construction_and_shows_the_fix():
+  """The other methods' Quickstart order, SBC before the optimizer, let the replicas drift apart (4.25)."""
+  fix = "use jaxcomp.sbc(delay=3, optimizer=optax.sgd(0.1))"
+  with pytest.raises(ValueError, match=re.escape(fix)) as info:
+    optax.chain(jaxcomp.sbc(delay=3), optax.sgd(0.1))
+  assert "drift apart" in str(info.value), info.value
+  # The old order, after the optimizer, is now written with optimizer=.
+  with pytest.raises(ValueError, match=re.escape("jaxcomp.sbc(delay=4, optimizer=optax.sgd(lr))")):
+    optax.chain(optax.sgd(0.1), jaxcomp.sbc(delay=4))
+  with pytest.raises(TypeError, match="optimizer must be an optax GradientTransformation"):
+    jaxcomp.sbc(delay=3, optimizer=0.1)
+  # delay=1, no communication delay: plain SBC of the gradient, before the optimizer like the other methods.
+  params = params_tree()
+  tx = optax.chain(jaxcomp.sbc(delay=1), optax.sgd(0.1))
+  jax.eval_shape(tx.update, params, tx.init(params))
+
+
+@functools.lru_cache(maxsize=None)
+def _train_step(tx):
+  def step(p, s, g):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  return jax.pmap(step, axis_name=AXIS)
+
+
+def test_wrapped_optimizer_lands_every_replica_on_the_anchor_at_each_sync_as_the_old_chain():
+  """``sbc(delay=3, optimizer=sgd)``, alone or in a chain: 8 workers with their own gradients, 7 steps.
+
+  After each sync (steps 2 and 5) the replicas hold the same bits, the shared anchor (exactly: the
+  local moves are small against the parameters, so ``anchor - params`` is exact); between syncs they
+  differ. Every step equals, bit for bit, the old ``optax.chain(optax.sgd(0.1), <sbc delay=3>)``.
+  """
+  delay, steps = 3, 7
+  wrapped = jaxcomp.sbc(sparsity=SPARSITY, delay=delay, axis_name=AXIS, optimizer=optax.sgd(0.1))
+  variants = {"wrapped": wrapped, "chained": optax.chain(wrapped),
+              "old": optax.chain(optax.sgd(0.1), _sbc_alone(sparsity=SPARSITY, delay=delay, axis_name=AXIS))}
+  params0 = jax.tree.map(lambda x: 1.0 + 0.1 * x[0], worker_grads(params_tree(), seed=70))
+  runs = {}
+  for name, tx in variants.items():
+    p, s, trace = jaxcomp.per_worker(params0, N), init_stacked(tx, params0), []
+    for step in range(steps):
+      g = jax.tree.map(lambda x: 0.1 * x, worker_grads(params0, seed=80 + step))
+      p, s = jax.device_get(_train_step(tx)(p, s, g))
+      trace.append(p)
+    runs[name] = trace, s
+  trace, state = runs["wrapped"]
+  for other in ("chained", "old"):
+    for step in range(steps):
+      for a, b in zip(jax.tree.leaves(trace[step]), jax.tree.leaves(runs[other][0][step]), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=f"{other}, step {step}")
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(runs["old"][1]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  sbc_state = state[1]  # optax.chain's state: (sgd's, SBC's)
+  for step in range(steps):
+    if step % delay == delay - 1:
+      assert_replicas_equal(trace[step])
+    else:
+      assert any(not np.array_equal(a, a[:1].repeat(N, 0)) for a in jax.tree.leaves(trace[step])), step
+  # The last sync (step 5) set the anchor; step 6 was local, so the anchor is where the replicas met.
+  anchors = [np.asarray(e.anchor) for e in sbc_state.extra]
+  assert_replicas_equal(anchors)
+  met = jax.tree.leaves(trace[5])
+  for a, m in zip(_leaf_views(wrapped.compressor, params0, anchors), met):
+    np.testing.assert_array_equal(a, m.reshape(N, -1))
+  # The wire bytes, steady and memory_tree read SBC inside the complete optimizer.
+  assert jaxcomp.steady(wrapped) is wrapped.compressor
+  assert jaxcomp.wire_bytes(wrapped, params0) == jaxcomp.wire_bytes(TX[2], params0) > 0
+  measured = jaxcomp.measure_wire_bytes(_train_step(wrapped), jaxcomp.per_worker(params0, N),
+                                        init_stacked(wrapped, params0), worker_grads(params0))
+  assert measured["total"] == jaxcomp.wire_bytes(wrapped, params0) and measured["count"] == 1, measured
+  assert jaxcomp.memory_tree(wrapped.compressor, wrapped.init(params0)[1], params0) == ()
+
+
+def test_recipe_wraps_momentum_sgd_and_computes_the_old_chain():
+  """``jaxcomp.recipe("sbc", lr)``: sgd(lr, momentum) then SBC on its updates, now via ``optimizer=``."""
+  tx = jaxcomp.recipe("sbc", 0.05, axis_name=AXIS)
+  comp = jaxcomp.recipe_method("sbc", axis_name=AXIS)
+  assert jaxcomp.core.compressor(tx).method.buckets(params_tree())[0].exchange.delay == 4
+  assert comp.method.buckets(params_tree())[0].exchange.delay == 4
+  old = optax.chain(optax.sgd(0.05, momentum=0.9), comp)
+  params0 = jax.tree.map(lambda x: 1.0 + 0.1 * x[0], worker_grads(params_tree(), seed=90))
+  p = q = jaxcomp.per_worker(params0, N)
+  s, t = init_stacked(tx, params0), init_stacked(old, params0)
+  assert jax.tree.structure(s) == jax.tree.structure(t)  # checkpoints of the old chain still restore
+  for step in range(4):
+    g = jax.tree.map(lambda x: 0.1 * x, worker_grads(params0, seed=100 + step))
+    p, s = jax.device_get(_train_step(tx)(p, s, g))
+    q, t = jax.device_get(_train_step(old)(q, t, g))
+    for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((q, t)), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert_replicas_equal(p)  # step 3 syncs (small moves: anchor - params is exact)
+  assert jaxcomp.wire_bytes(tx, params0) == jaxcomp.wire_bytes(comp, params0)
 
 
 # ----------------------------------------------------------------------------
@@ -303,8 +410,8 @@ def test_digits_training_reaches_dense_accuracy_with_over_100x_fewer_bits():
     return float(np.mean(np.argmax(np.asarray(_logits(p, x_test)), -1) == y_test))
 
   dense = _train(optax.chain(jaxcomp.none(axis_name=AXIS), optax.sgd(LR, momentum=0.9)), shards)
-  sbc_tx = jaxcomp.sbc(sparsity=sparsity, delay=delay, axis_name=AXIS)
-  compressed = _train(optax.chain(optax.sgd(LR, momentum=0.9), sbc_tx), shards)
+  sbc_tx = jaxcomp.sbc(sparsity=sparsity, delay=delay, axis_name=AXIS, optimizer=optax.sgd(LR, momentum=0.9))
+  compressed = _train(sbc_tx, shards)
   for leaf in jax.tree.leaves(compressed):  # the last step syncs: replicas on the anchor, up to a few ulps
     a = np.asarray(leaf)
     np.testing.assert_allclose(a, np.broadcast_to(a[:1], a.shape), rtol=0, atol=1e-6)
@@ -344,8 +451,7 @@ def test_replicas_meet_again_at_every_sync_however_long_the_run():
   """
   delay, steps = 4, 400
   params, loss = _least_squares()
-  sbc_tx = jaxcomp.sbc(sparsity=0.05, delay=delay, axis_name=AXIS)
-  tx = optax.chain(optax.sgd(0.05), sbc_tx)
+  tx = jaxcomp.sbc(sparsity=0.05, delay=delay, axis_name=AXIS, optimizer=optax.sgd(0.05))
 
   def train(p, state):
     worker = jax.lax.axis_index(AXIS)
@@ -371,6 +477,6 @@ def test_replicas_meet_again_at_every_sync_however_long_the_run():
   assert np.count_nonzero(apart) <= 0.05 * apart.size  # measured 1.9% (the old design: 87%)
   anchors = [np.asarray(e.anchor) for e in state[1].extra]
   assert_replicas_equal(anchors)
-  anchor = np.concatenate(_leaf_views(sbc_tx, params, anchors), -1)  # the leaves in the trace's order
+  anchor = np.concatenate(_leaf_views(tx.compressor, params, anchors), -1)  # the leaves in the trace's order
   met = apart[-1] == 0
   np.testing.assert_array_equal(after[:, -1][:, met], anchor[:, met])

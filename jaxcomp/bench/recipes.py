@@ -13,7 +13,7 @@ def table(momentum: float = 0.9) -> str:
       "inner": "chain(configure(method, memory=momentum_correction(m)), sgd(lr))",
       "ef21": "chain(configure(method, memory=ef21()), sgd(lr, momentum=m))",
       "own": "chain(method, sgd(lr))",
-      "after": "chain(sgd(lr, momentum=m), method)",
+      "after": "method(optimizer=sgd(lr, momentum=m))",
   }
   rows = ["| method | recipe (m = %g) | lr | settings | warm-up | why |" % momentum,
           "|---|---|---|---|---|---|"]

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp import layout
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName, current_axis
 from jaxcomp.core import DENSE, Codec, Ctx, Exchange, Memory, Method, build, flat_route, staged
@@ -34,7 +35,7 @@ Schedule = Callable[[jax.Array], jax.Array]
 WARMUP_START = 0.25  # DGC's first warm-up density (75% sparsity), divided by 4 per stage
 CAPACITY_FACTOR = 1.3  # the adjusted count is within 1.3 k, the payload holds that many
 WARMUP_STEPS = 1000  # the default warm-up, in steps (the paper's is 4 epochs)
-CLIP_NORM = 5.0  # the default local clipping threshold: a guard, not a tuned value
+CLIP_NORM = None  # the default: no local clipping (an absolute norm is not scale-free; see dgc())
 
 
 def warmup_schedule(ratio: float, warmup_steps: int, stages: int = 4) -> Schedule:
@@ -223,12 +224,20 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
         min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """Deep Gradient Compression: momentum correction, factor masking, local clipping, warm-up.
 
-  The defaults are the paper's method, all four parts on: local gradient
-  clipping, momentum correction, momentum factor masking and a warm-up of
-  the sparsity (in steps, since an epoch's length is not known here).
+  The defaults are the paper's method with three of its four parts on:
+  momentum correction, momentum factor masking and a warm-up of the sparsity
+  (in steps, since an epoch's length is not known here). Local gradient
+  clipping is off by default (``clip_norm=None``): the paper clips at the
+  model's own global clipping threshold, a setting of the model, not of the
+  method, and any fixed absolute norm breaks scale-equivariance (gradients
+  of 1e-4 to 1e-7 per entry are never clipped by it, gradients of 1 always
+  are). With clipping off every part is scale-free: the output for ``c * g``
+  is ``c`` times the output for ``g`` (bit for bit at a power-of-two ``c``).
+  The paper's local clipping is one argument away: ``clip_norm=`` the global
+  threshold your model trains with (e.g. ``clip_norm=5.0``).
 
-  Per worker: the local gradient is clipped to global norm
-  ``clip_norm / sqrt(N)`` (the norm of the whole gradient, all leaves); the
+  Per worker: with ``clip_norm``, the local gradient is clipped to global
+  norm ``clip_norm / sqrt(N)`` (the norm of the whole gradient, all leaves); the
   momentum is corrected, ``u <- momentum * u + g`` and ``v <- v + u``; each
   leaf's v is sparsified: the threshold is the ``ceil(ratio * s)``-th largest
   ``|v|`` of a strided sample of ``s = max(ceil(sample_ratio * n), 128)``
@@ -278,13 +287,15 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
       0 disables it.
     max_ratio: the largest ratio a schedule produces, in (0, 1]; sizes the
       payload. Only with a schedule.
-    clip_norm: local gradient clipping threshold (> 0) before the scaling by
-      ``N ** -0.5``. Default 5.0, a guard against exploding accumulations
-      rather than a tuned value: set the global clipping threshold your model
-      trains with. None disables clipping.
+    clip_norm: local gradient clipping threshold (> 0, an absolute global
+      norm) before the scaling by ``N ** -0.5``: set the global clipping
+      threshold your model trains with (DGC, Sec. 3.3). None (default): no
+      local clipping, so that the method is scale-free (an absolute default
+      would clip every step at one gradient scale and never at another).
     seed: seeds the key (sample offsets).
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
-    min_size: the bucket policy, see :func:`jaxcomp.build`.
+    min_size: the bucket policy, see :func:`jaxcomp.build`; by default every leaf is compressed
+      (``min_size=0``, :data:`jaxcomp.layout.EVERY_LEAF`).
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
@@ -323,6 +334,6 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
                      for first, d in warmup_stages(r, w, start=WARMUP_START)])
     schedule, top = (lambda step: jnp.float32(r)), r
   ex = DGCExchange(schedule, top, sr)
-  return build(Method("dgc", flat_route(ex), DGCMemory(m, clip, axis_name)), axis_name, seed,
+  return build(Method("dgc", flat_route(ex), DGCMemory(m, clip, axis_name), min_size=layout.EVERY_LEAF), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
                exchange=exchange)

@@ -8,12 +8,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 from jaxcomp import layout
 from jaxcomp.collectives import golomb, ops, packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import Ctx, Exchange, Memory, Method, build, flat_route
+from jaxcomp.core import Ctx, Exchange, Memory, Method, build, compressed_optimizer, flat_route
 from jaxcomp.transforms import _args, selection
 from jaxcomp.transforms.sparse import scatter_mean
 
@@ -248,13 +249,45 @@ class SBCExchange(Exchange):
                     lambda: self._sync(x, segs, extra, ctx, params, anchor), local_step)
 
 
+def _delay_needs_optimizer(delay: int) -> str:
+  """The construction error of ``sbc(delay > 1)`` without ``optimizer``: why, and the fix."""
+  return (
+      f"sbc with delay={delay} must wrap the local optimizer: use jaxcomp.sbc(delay={delay},"
+      " optimizer=optax.sgd(0.1)) (your optimizer, your other arguments) in place of the optimizer,"
+      " with nothing after it. With a communication delay SBC accumulates each worker's local updates"
+      " (the optimizer's output) and, at a sync, outputs the step that lands every replica on the new"
+      f" shared anchor: an optimizer after it, as in optax.chain(jaxcomp.sbc(delay={delay}),"
+      " optax.sgd(0.1)), would scale that step and the replicas would drift apart."
+      f" optax.chain(optax.sgd(lr), jaxcomp.sbc(delay={delay})) is now written"
+      f" jaxcomp.sbc(delay={delay}, optimizer=optax.sgd(lr)); delay=1 needs no optimizer.")
+
+
 def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
         capacity: float | None = None, seed: int = 0, bucket_bytes: int | None = None,
-        min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
+        min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather",
+        optimizer: optax.GradientTransformation | None = None):
   """Sparse Binary Compression: communication delay + binarized top-p + Golomb positions.
 
-  Place it after the optimizer: its input is each worker's local parameter
-  update, e.g. ``optax.chain(optax.sgd(lr), jaxcomp.sbc(axis_name="data"))``.
+  Placement:
+
+  - ``delay > 1`` (communication delay): SBC compresses each worker's local
+    parameter update, the optimizer's output, so it wraps the optimizer:
+    ``jaxcomp.sbc(delay=4, axis_name="data", optimizer=optax.sgd(lr, momentum=0.9))``
+    is a complete optimizer, used in place of ``optax.sgd(...)`` (alone or as
+    the last element of an ``optax.chain``: gradient transforms such as
+    clipping go before it, nothing after it). Every step it runs
+    ``optimizer`` on the gradients and SBC on the optimizer's updates (it is
+    ``optax.chain(optimizer, <SBC>)``), and its output is the parameter
+    update to apply unchanged (``optax.apply_updates``). Without
+    ``optimizer`` a ``ValueError`` is raised at construction: placed before an
+    optimizer, the order of the other methods, a sync step's output (the step
+    to the shared anchor, below) would be scaled by it and the replicas would
+    drift apart.
+  - ``delay=1`` (a sync every step): plain sparse binary compression of its
+    input, placed like the other methods, before the optimizer:
+    ``optax.chain(jaxcomp.sbc(axis_name="data"), optax.sgd(lr))``; or with
+    ``optimizer=``, which compresses the optimizer's update instead.
+
   Steps are grouped in periods of ``delay``: on the first ``delay - 1`` steps
   of a period the update passes through unchanged (each worker moves
   locally). On the last step of the period (every step when ``delay=1``) each
@@ -275,27 +308,33 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
   sent. With ``delay > 1`` the new sync point is ``anchor' = anchor + mean``
   (float32, computed from values every worker shares: the same bits
   everywhere) and the output is ``anchor' - params``, so that
-  ``params + output`` lands on ``anchor'``: exactly, on every worker, for
-  float32 parameters whenever ``anchor' - params`` is exact in float32 (by
-  Sterbenz's lemma, whenever ``params`` and ``anchor'`` have the same sign
-  and are within a factor 2 of each other: every parameter whose local moves
-  of a period are small against it); otherwise (a parameter crossing zero
-  in the period) within half an ulp of ``anchor' - params``. The anchor is
-  kept in the state, so such rounding is never carried to the next period:
-  replicas meet again at every sync, whatever the length of the run
-  (summing the local updates instead left float rounding that grew with it).
-  This needs the parameters: call ``tx.update(updates, state, params)``
-  (``optax.chain`` passes them on; they must be identical on every worker at
-  the first step). The first step takes them as the anchor.
+  ``params + output`` lands on ``anchor'``: the replicas meet at every sync.
+  Exactly, on every worker, for float32 parameters whenever
+  ``anchor' - params`` is exact in float32 (by Sterbenz's lemma, whenever
+  ``params`` and ``anchor'`` have the same sign and are within a factor 2 of
+  each other: every parameter whose local moves of a period are small
+  against it); otherwise (a parameter crossing zero in the period) within
+  half an ulp of ``anchor' - params``. The anchor is kept in the state, so
+  such rounding is never carried to the next period: replicas meet again at
+  every sync, whatever the length of the run (summing the local updates
+  instead left float rounding that grew with it). This needs the
+  parameters: call ``tx.update(grads, state, params)`` (``optax.chain``
+  passes them on; they must be identical on every worker at the first
+  step). The first step takes them as the anchor.
 
   :func:`jaxcomp.wire_bytes` gives the bytes of one sync step; the average
   per step is that divided by ``delay``. A period is counted from the state's
   ``phase`` (the step count modulo 2^32, which keeps counting where ``count``
-  saturates), so the first sync is at step ``delay - 1`` (0-based). The state
-  holds one :class:`SBCState` per bucket in ``state.extra``: the anchor (only
-  when ``delay > 1``) and the residual, in the bucket's layout. Leaves that
-  travel dense (``min_size``, ``dense``) are averaged every step, local
-  steps included.
+  saturates), so the first sync is at step ``delay - 1`` (0-based). SBC's
+  state is a :class:`jaxcomp.CompressState` with one :class:`SBCState` per
+  bucket in ``extra``: the anchor (only when ``delay > 1``) and the
+  residual, in the bucket's layout. With ``optimizer`` the state is
+  ``optax.chain``'s tuple ``(optimizer's state, SBC's state)`` and the
+  result carries the SBC transformation alone as ``.compressor`` (as
+  :func:`jaxcomp.onebit_adam` does): :func:`jaxcomp.wire_bytes` and
+  :func:`jaxcomp.steady` read it from the result; pass it to
+  :func:`jaxcomp.memory_tree` with ``state[1]``. Leaves that travel dense
+  (``min_size``, ``dense``) are averaged every step, local steps included.
   Non-finite values: on a sync step a worker whose A holds a NaN or Inf
   sends a NaN value, so every worker's output is NaN and :func:`jaxcomp.build`
   skips the step on all replicas together (state kept as it was, the
@@ -307,7 +346,7 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
     sparsity: p, the fraction of each leaf's entries per side, in (0, 1]
       (default 0.01).
     delay: local steps per communication, an int >= 1 (the paper trades it
-      against sparsity; 1 syncs every step).
+      against sparsity; 1 syncs every step). ``delay > 1`` needs ``optimizer``.
     axis_name: the data-parallel axis, or None for a local round trip.
     capacity: the bit buffer of a bucket as a multiple of the expected stream
       length ``K * expected_bits_per_position(sparsity)`` (K: the sum of the
@@ -316,9 +355,24 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
       at ``golomb.max_stream_bits``, which no set of K positions exceeds
       (about 4-6% above the expected length at p = 0.001-0.01).
     seed: seeds the state's key (SBC itself draws nothing).
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`;
+      by default every leaf is compressed (``min_size=0``), see :data:`jaxcomp.layout.EVERY_LEAF`.
     exchange: ``"gather"`` only: its sync schedule and Golomb stream have no
       scatter form; ``"scatter"`` raises.
+    optimizer: the local optimizer SBC wraps (an optax
+      ``GradientTransformation``, e.g. ``optax.sgd(lr, momentum=0.9)``):
+      required with ``delay > 1``; optional with ``delay=1``. With it the
+      result is a complete optimizer (its input: the gradients); without it,
+      SBC alone (its input: what it compresses).
+
+  Returns:
+    Without ``optimizer``: the jaxcomp transformation. With it: an optax
+    ``GradientTransformationExtraArgs``, ``optax.chain(optimizer, <SBC>)``,
+    with ``.compressor``, the SBC transformation.
+
+  Raises:
+    ValueError: ``delay > 1`` without ``optimizer`` (the message shows the
+      fix), or a bad argument.
 
   References:
     Sattler, Wiedemann, Müller & Samek, *Sparse Binary Compression: Towards
@@ -336,6 +390,15 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
         f"sparsity must be >= 1e-9 (Golomb-coded positions need b <= 30), got sparsity={sparsity!r}")
   if capacity is not None:
     capacity = _args.positive("capacity", capacity)
+  if optimizer is None and d > 1:
+    raise ValueError(_delay_needs_optimizer(d))
+  if optimizer is not None and not (callable(getattr(optimizer, "init", None))
+                                    and callable(getattr(optimizer, "update", None))):
+    raise TypeError("optimizer must be an optax GradientTransformation, e.g. optax.sgd(0.1),"
+                    f" got {optimizer!r}")
   ex = SBCExchange(p, d, capacity)
-  return build(Method("sbc", flat_route(ex), Memory(enabled=False)), axis_name, seed,
-               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name, exchange=exchange)
+  tx = build(Method("sbc", flat_route(ex), Memory(enabled=False), min_size=layout.EVERY_LEAF), axis_name, seed,
+             bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name, exchange=exchange)
+  if optimizer is None:
+    return tx
+  return compressed_optimizer(optax.chain(optimizer, tx), tx)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp import layout
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
@@ -104,6 +105,7 @@ class TopKCodec(Codec):
   values: str = "float32"
   scope: str = "layer"
   block = 128
+  selects = True  # exchange="scatter": what the chunk owner does not select goes back to the workers
 
   def _segments(self, segs: Segments) -> Segments:
     if self.scope == "layer":
@@ -149,6 +151,7 @@ class ChunkedTopKCodec(Codec):
   ratio: float
   chunk: int
   values: str = "float32"
+  selects = True  # exchange="scatter": what the chunk owner does not select goes back to the workers
 
   def _layout(self, n: int):
     b = min(self.chunk, n)
@@ -221,7 +224,8 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
       search; ``"bucket"``: the ``ceil(ratio * m)`` largest of the whole
       bucket of m entries (one selection over fused layers, as in bucketed
       top-k systems), positions relative to the bucket.
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`;
+      by default every leaf is compressed (``min_size=0``), see :data:`jaxcomp.layout.EVERY_LEAF`.
     exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
@@ -247,7 +251,8 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
     codec = ChunkedTopKCodec(r, b, val)
   else:
     codec = TopKCodec(r, pos, val, sc)
-  return build(Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+  return build(Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF),
+               axis_name, seed,
                bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name, exchange=exchange)
 
 
@@ -317,7 +322,11 @@ def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: boo
     unbiased: scale each sent value by its stratum's length ``c`` so that the
       estimate is unbiased (use with ``error_feedback=False``).
     seed: seeds the shared key.
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`. Unlike the
+      other sparsifiers, random-k keeps small leaves dense by default (1024 entries): compressed,
+      a bias of 10 entries sends one random entry a step, and its momentum-corrected residual
+      grows until the step lands (the digits MLP diverged, 15.6% against 97.2%); dense they add
+      9% to its bytes on ResNet-50's shapes.
     exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp import layout
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
@@ -243,9 +244,25 @@ def loop_mean(decode, gathered, n: int, num: int) -> jax.Array:
 # threshold
 
 
+V_RMS = 2.0  # the default threshold in units of each leaf's RMS: 4.55% of a Gaussian leaf
+
+
+def segment_rms(x: jax.Array, segs: Segments) -> jax.Array:
+  """Per segment, the root mean square of the finite entries of ``x`` over its ``n`` entries (float32 (S,)).
+
+  From float32 squares: exact under power-of-two scaling of ``x`` (bit for
+  bit) while the squares stay normal floats, i.e. for entries between about
+  1e-19 and 1e19 in magnitude. Non-finite entries count as 0 (the builder
+  turns such a step's output into NaN anyway).
+  """
+  sq = jnp.where(jnp.isfinite(x), x * x, 0.0)
+  return jnp.sqrt(segs.sum(sq) / jnp.asarray(segs.sizes, jnp.float32))
+
+
 @dataclasses.dataclass(frozen=True)
 class ThresholdCodec(Codec):
-  """Entries with ``|x| > v``: float32 values + narrow bucket positions in fixed slots + a count.
+  """Entries with ``|x| > v`` (``relative``: ``|x| >= min(v * rms, max |x|)`` in the entry's leaf,
+  nonzero): float32 values + narrow bucket positions in fixed slots + a count.
 
   Each leaf (segment) of n entries has ``max(1, ceil(capacity * n))`` slots;
   the bucket's payload holds the sum of them.
@@ -253,10 +270,24 @@ class ThresholdCodec(Codec):
 
   v: float
   capacity: float
+  relative: bool = False
   block = BLOCK
 
+  def mask(self, x, segs):
+    """What passes: ``|x| > v``, or (``relative``) ``|x| >= min(v * rms, max |x|)`` of its leaf, ``x != 0``.
+
+    The relative threshold is at most the leaf's largest ``|x|``, so every
+    leaf can send: no entry of a leaf of ``n`` entries exceeds ``sqrt(n)``
+    times its RMS (a scalar leaf is its own RMS).
+    """
+    a = jnp.abs(x)
+    if not self.relative:
+      return a > self.v
+    top = segs.max(jnp.where(jnp.isfinite(a), a, 0.0))
+    return passes(a, segs.spread(jnp.minimum(jnp.float32(self.v) * segment_rms(x, segs), top)))
+
   def encode(self, x, key, segs):
-    idx, count = select(jnp.abs(x) > self.v, segs, segment_caps(self.capacity, segs), key)
+    idx, count = select(self.mask(x, segs), segs, segment_caps(self.capacity, segs), key)
     return sparse_payload(x, idx, count, segs.length)
 
   def decode(self, payload, key, segs):
@@ -266,10 +297,26 @@ class ThresholdCodec(Codec):
     return sparse_mean(*gathered, segs.length, num)
 
 
-def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None,
+def threshold(v: float | None = None, capacity: float = 0.1, axis_name: AxisName = None,
               error_feedback: bool = True, seed: int = 0, bucket_bytes: int | None = None,
-              min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
-  """Threshold sparsification: send the entries with ``|x| > v`` (a variable count).
+              min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather",
+              v_rms: float | None = None):
+  """Threshold sparsification: send the entries above a threshold (a variable count).
+
+  The threshold is relative by default: an entry is sent when ``|x| >= v_rms
+  * rms`` of its leaf (the root mean square of the leaf's entries of ``e + g``,
+  this step, on this worker), ``v_rms = 2.0`` unless given, or when it is
+  the leaf's largest (so a leaf of ``n <= v_rms**2`` entries, whose entries
+  never exceed ``sqrt(n)`` times its RMS, still sends). That sends the
+  same fraction of a leaf whatever the gradients' scale: 4.55% of a standard
+  normal leaf on one step, about 3.9% per step in the steady state of error
+  feedback on i.i.d. Gaussian gradients (at ``v_rms=2.5`` the residual
+  outgrows the threshold and the steady state sends 0.1%). The output is
+  scale-equivariant: the output for ``c * g`` is ``c`` times the output for
+  ``g``, bit for bit at a power-of-two ``c``. Strom's and GRACE's absolute
+  threshold is one argument away, ``threshold(v=0.01)``: then the fraction
+  sent depends on the scale (at 0.01 nothing of gradients of 1e-4 per
+  entry is sent, nearly all of gradients of 1).
 
   The count varies from step to step but a payload's shape cannot, so each
   leaf of n entries has ``cap = max(1, ceil(capacity * n))`` slots, and the
@@ -280,40 +327,53 @@ def threshold(v: float = 0.01, capacity: float = 0.1, axis_name: AxisName = None
   a random offset in the leaf (new each step, so no region starves) and the
   others stay in the residual: nothing is lost with error feedback (on by
   default). Payloads are all-gathered and every worker scatter-adds all of
-  them into one dense mean.
+  them into one dense mean. The RMS is computed locally and not sent: the
+  wire bytes are the same for both forms.
 
   Sizing the capacity: the wire carries ``cap`` slots whether they are full
   or not (``capacity * (32 + index bits)`` bits per entry), so set it a little
-  above the fraction of entries expected over ``v`` in ``e + g`` (e.g. from
-  ``mean(|x| > v)`` on a few steps). With ``v`` too small for the gradients'
-  scale every step overflows: then the method behaves like a random-window
-  top-``cap`` and the residual grows; above about 0.5 (int32 indices) or 0.67
-  (uint16) a dense fp32 mean is cheaper.
+  above the fraction of entries expected over the threshold in ``e + g``
+  (e.g. from ``mean(|x| > v)`` on a few steps; the default 0.1 holds the
+  default ``v_rms``'s few percent). With an absolute ``v`` too small for the
+  gradients' scale every step overflows: then the method behaves like a
+  random-window top-``cap`` and the residual grows; above about 0.5 (int32
+  indices) or 0.67 (uint16) a dense fp32 mean is cheaper.
 
   Args:
-    v: the threshold, >= 0 (GRACE: 0.01).
+    v: an absolute threshold, >= 0 (GRACE: 0.01); give ``v`` or ``v_rms``,
+      not both. None (default): the relative threshold ``v_rms``.
     capacity: slots per leaf as a fraction of its size, in (0, 1] (default 0.1).
     axis_name: the data-parallel axis, or None for a local round trip.
     error_feedback: keep what was not sent in a residual (default True).
     seed: seeds the state's key (the random start offset).
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
-    min_size: the bucket policy, see :func:`jaxcomp.build`.
+    min_size: the bucket policy, see :func:`jaxcomp.build`; by default every leaf is compressed
+      (``min_size=0``, :data:`jaxcomp.layout.EVERY_LEAF`).
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
     exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.scatter`; with
+      ``"scatter"`` the RMS is that of each chunk (:mod:`jaxcomp.scatter`).
+    v_rms: the threshold in units of each leaf's RMS, >= 0 (default 2.0 when
+      ``v`` is not given; 0 sends every nonzero entry up to the capacity).
 
   References:
     Strom, *Scalable Distributed DNN Training Using Commodity GPU Cloud
     Computing*, Interspeech 2015; Xu et al., *GRACE: A Compressed
     Communication Framework for Distributed Machine Learning*, ICDCS 2021.
   """
-  v = _args.positive("v", v, allow_zero=True)
+  if v is not None and v_rms is not None:
+    raise ValueError(f"threshold: give v (an absolute threshold) or v_rms (a multiple of each leaf's RMS),"
+                     f" not both; got v={v!r}, v_rms={v_rms!r}")
+  if v is None:
+    codec_v, relative = _args.positive("v_rms", V_RMS if v_rms is None else v_rms, allow_zero=True), True
+  else:
+    codec_v, relative = _args.positive("v", v, allow_zero=True), False
   cap = _args.ratio("capacity", capacity)
   ef = _args.flag("error_feedback", error_feedback)
-  codec = ThresholdCodec(v, cap)
-  return build(Method("threshold", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+  codec = ThresholdCodec(codec_v, cap, relative)
+  return build(Method("threshold", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
                exchange=exchange)
 
@@ -457,7 +517,8 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
     error_feedback: keep the error in a residual (default True).
     seed: seeds the key (sample offsets).
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
-    min_size: the bucket policy, see :func:`jaxcomp.build`.
+    min_size: the bucket policy, see :func:`jaxcomp.build`; by default every leaf is compressed
+      (``min_size=0``, :data:`jaxcomp.layout.EVERY_LEAF`).
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
@@ -474,6 +535,6 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
   enc = _args.choice("encoding", encoding, ("auto", "indices", "map"))
   ef = _args.flag("error_feedback", error_feedback)
   codec = AdaQCodec(r, sr, cap, enc)
-  return build(Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
+  return build(Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
                exchange=exchange)

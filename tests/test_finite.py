@@ -1,0 +1,91 @@
+"""Non-finite steps in the compositions users write: jaxcomp.apply_if_finite, optax's wrapper, MultiSteps.
+
+A NaN on one of 8 workers must skip the step on every worker (or raise a clear
+error at trace time), never leave the other workers waiting in a collective.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from harness import AXIS, N, assert_replicas_equal, params_tree, worker_grads
+
+
+def _nan_on_worker(grads, worker=3):
+  return jax.tree.map(lambda g: g.at[worker].set(jnp.nan), grads)
+
+
+def _run(tx, grads_steps):
+  params = params_tree()
+  state = jaxcomp.per_worker(tx.init(params), N)
+  params8 = jaxcomp.per_worker(params, N)
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, u
+
+  step = jax.pmap(step, axis_name=AXIS)
+  outs = []
+  for g in grads_steps:
+    params8, state, u = step(params8, state, g)
+    outs.append((params8, state, u))
+  return outs
+
+
+def test_jaxcomp_apply_if_finite_skips_on_every_worker():
+  inner = optax.chain(jaxcomp.topk(ratio=0.1, axis_name=AXIS), optax.sgd(0.1, momentum=0.9))
+  tx = jaxcomp.apply_if_finite(inner, max_consecutive_errors=2, axis_name=AXIS)
+  g0 = worker_grads(params_tree(), seed=0)
+  g1 = _nan_on_worker(worker_grads(params_tree(), seed=1))
+  g2 = worker_grads(params_tree(), seed=2)
+  (p0, s0, _), (p1, s1, u1), (p2, s2, u2) = _run(tx, [g0, g1, g2])
+  for leaf in jax.tree.leaves(u1):  # skipped everywhere: zero updates, no NaN reaches the parameters
+    np.testing.assert_array_equal(np.asarray(leaf), 0.0)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), p1, p0)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               s1.inner_state, s0.inner_state)  # residuals and momentum untouched on every worker
+  np.testing.assert_array_equal(np.asarray(s1.notfinite_count), 1)
+  np.testing.assert_array_equal(np.asarray(s1.last_finite), False)
+  for leaf in jax.tree.leaves(p2):  # the next finite step trains on every worker alike
+    assert np.all(np.isfinite(np.asarray(leaf)))
+  assert_replicas_equal(p2)
+  assert_replicas_equal(u2)
+  np.testing.assert_array_equal(np.asarray(s2.notfinite_count), 0)
+
+
+def test_jaxcomp_apply_if_finite_gives_up_after_max_consecutive_errors():
+  tx = jaxcomp.apply_if_finite(optax.chain(jaxcomp.topk(ratio=0.1, axis_name=AXIS), optax.sgd(0.1)),
+                               max_consecutive_errors=1, axis_name=AXIS)
+  bad = _nan_on_worker(worker_grads(params_tree(), seed=1))
+  (_, _, u1), (_, _, u2) = _run(tx, [bad, bad])
+  assert all(np.all(np.asarray(leaf) == 0.0) for leaf in jax.tree.leaves(u1))
+  assert any(np.any(np.isnan(np.asarray(leaf))) for leaf in jax.tree.leaves(u2))  # accepted: NaN everywhere
+  assert_replicas_equal(u2)
+
+
+def test_optax_apply_if_finite_around_a_communicating_chain_is_a_clear_error():
+  tx = optax.apply_if_finite(optax.chain(jaxcomp.topk(ratio=0.1, axis_name=AXIS), optax.sgd(0.1)), 3)
+  with pytest.raises(ValueError, match=r"jaxcomp.apply_if_finite\(inner, max_consecutive_errors"):
+    _run(tx, [worker_grads(params_tree(), seed=0)])
+
+
+def test_optax_apply_if_finite_after_the_compressor_skips_on_every_worker():
+  tx = optax.chain(jaxcomp.topk(ratio=0.1, axis_name=AXIS), optax.apply_if_finite(optax.sgd(0.1), 3))
+  g0 = worker_grads(params_tree(), seed=0)
+  (p0, _, _), (p1, s1, u1) = _run(tx, [g0, _nan_on_worker(worker_grads(params_tree(), seed=1))])
+  for leaf in jax.tree.leaves(u1):
+    np.testing.assert_array_equal(np.asarray(leaf), 0.0)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), p1, p0)
+  np.testing.assert_array_equal(np.asarray(s1[1].notfinite_count), 1)
+
+
+def test_multisteps_around_a_compressor_is_not_refused():
+  # MultiSteps' cond is on the step count (the same on every worker): collectives inside it are fine.
+  tx = optax.MultiSteps(optax.chain(jaxcomp.topk(ratio=0.1, axis_name=AXIS), optax.sgd(0.1)), 2)
+  outs = _run(tx, [worker_grads(params_tree(), seed=s) for s in range(3)])
+  for p, _, u in outs:
+    assert_replicas_equal(p)
+    assert_replicas_equal(u)
