@@ -89,3 +89,27 @@ def test_multisteps_around_a_compressor_is_not_refused():
   for p, _, u in outs:
     assert_replicas_equal(p)
     assert_replicas_equal(u)
+
+
+def test_jaxcomp_apply_if_finite_under_shard_map_skips_on_every_worker():
+  from jax.sharding import PartitionSpec as P
+  from harness import mesh
+
+  tx = jaxcomp.apply_if_finite(optax.chain(jaxcomp.topk(ratio=0.1, axis_name=AXIS), optax.sgd(0.1)), 3,
+                               axis_name=AXIS)
+  params = params_tree()
+  state = jaxcomp.per_worker(tx.init(params), mesh(), AXIS)
+
+  def step(g, s):
+    u, s = tx.update(jaxcomp.local(g), jaxcomp.local(s), params)
+    return jaxcomp.stacked(u), jaxcomp.stacked(s)
+
+  step = jax.jit(jax.shard_map(step, mesh=mesh(), in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS)),
+                               check_vma=False))
+  u, s = step(_nan_on_worker(worker_grads(params, seed=1)), state)
+  for leaf in jax.tree.leaves(u):
+    np.testing.assert_array_equal(np.asarray(leaf), 0.0)
+  np.testing.assert_array_equal(np.asarray(s.notfinite_count), 1)
+  u, s = step(worker_grads(params, seed=2), s)
+  assert_replicas_equal(u)
+  assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(u))

@@ -27,7 +27,7 @@ def _accuracy(tx, digits):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["topk", "onebit", "threshold"])
+@pytest.mark.parametrize("name", ["topk", "onebit", "threshold", "dgc"])
 def test_scatter_lands_within_1_point_of_gather(name, digits, monkeypatch):
   monkeypatch.setattr(jaxcomp.layout, "MIN_SIZE", 1024)  # the library's leaf policy (conftest: every leaf)
   gather = _accuracy(jaxcomp.recipe(name, LR, axis_name=AXIS), digits)
