@@ -504,7 +504,7 @@ def _recording():
   try:
     yield found
   finally:
-    _RECORDERS.stack.remove(found)
+    _RECORDERS.stack.pop()
 
 
 def _signature(tree) -> tuple:
@@ -742,9 +742,9 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
   seen: list = []  # _signature of each tree init was called on (kept here: the state is arrays only)
 
   def init_fn(params):
-    if _RECORDERS.stack:  # compressor(): only which jaxcomp transformations a chain holds matters
-      if not any(t is tx for t in _RECORDERS.stack[-1]):
-        _RECORDERS.stack[-1].append(tx)
+    if _RECORDERS.stack:  # compressor(): which jaxcomp transformations a chain holds, on which leaves
+      if not any(t is tx for t, _ in _RECORDERS.stack[-1]):
+        _RECORDERS.stack[-1].append((tx, params))  # optax.masked hands it only its leaves
       return CompressState(count=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed), memory=(),
                            extra=(), phase=jnp.zeros((), jnp.uint32))
     key = jax.random.PRNGKey(seed)
@@ -785,7 +785,7 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
         memory=method.memory.init(zeros), extra=extra, phase=jnp.zeros((), jnp.uint32))
 
   def update_fn(updates, state, params=None):
-    finite.check_not_under_optax_apply_if_finite(axis_name)
+    finite.check_guarded(axis_name, dense_axis_name)
     if not isinstance(state, CompressState):
       raise TypeError(f"state must be the CompressState from tx.init, got {type(state).__name__}")
     _check_count(state)
@@ -1024,22 +1024,28 @@ def compressor(tx: Any, params: Any = None) -> Any:
     TypeError: ``params`` given and ``tx`` holds no jaxcomp transformation.
     ValueError: ``tx`` holds more than one.
   """
+  return _compressor_and_params(tx, params)[0]
+
+
+def _compressor_and_params(tx: Any, params: Any) -> tuple:
+  """:func:`compressor`, and the parameters it sees: those of ``params`` it gets (``optax.masked``: its own)."""
   if isinstance(getattr(tx, "method", None), Method):
-    return tx
+    return tx, params
   inner = getattr(tx, "compressor", None)
   if isinstance(getattr(inner, "method", None), Method):
-    return inner
+    return inner, params
   if params is None or not callable(getattr(tx, "init", None)):
-    return tx
+    return tx, params
   with _recording() as found:
     jax.eval_shape(lambda p: tx.init(p), params)  # a new function each time: no cached trace
   if not found:
     raise TypeError(f"tx holds no jaxcomp transformation (built by a jaxcomp factory): {tx!r}")
   if len(found) > 1:
     raise ValueError(
-        f"tx holds {len(found)} jaxcomp transformations ({', '.join(t.method.name for t in found)});"
+        f"tx holds {len(found)} jaxcomp transformations ({', '.join(t.method.name for t, _ in found)});"
         " pass the one to measure")
-  return found[0]
+  inner, seen = found[0]
+  return inner, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), seen)
 
 
 def wire_bytes(tx: Any, params: Any, step: int | None = None, workers: int | None = None) -> int:
@@ -1056,7 +1062,7 @@ def wire_bytes(tx: Any, params: Any, step: int | None = None, workers: int | Non
   A complete optimizer (``onebit_adam``, ``demo``) counts its ``.compressor``; any other optax
   transformation (a chain...) the one jaxcomp transformation it holds (:func:`compressor`).
   """
-  tx = compressor(tx, params)
+  tx, params = _compressor_and_params(tx, params)
   method = getattr(tx, "method", None)
   if not isinstance(method, Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
@@ -1106,7 +1112,7 @@ def wire_bytes_by_axis(tx: Any, params: Any, dense_axis_size: int, step: int | N
   ``workers``: the slow axis's size, needed with ``exchange="scatter"``.
   ``tx`` may be any optax transformation holding one (see :func:`compressor`).
   """
-  tx = compressor(tx, params)
+  tx, params = _compressor_and_params(tx, params)
   method = getattr(tx, "method", None)
   fast_name = getattr(tx, "dense_axis_name", None)
   if not isinstance(method, Method) or fast_name is None:

@@ -13,13 +13,14 @@ Where optax's own wrapper may go: *after* the jaxcomp transform
 a jaxcomp transform's output is NaN on every worker as soon as one worker's
 input is not finite, so the inner decision is the same everywhere. Placed
 around a jaxcomp transform that communicates, it raises a clear error at
-trace time (:func:`check_not_under_optax_apply_if_finite`).
+trace time (:func:`check_guarded`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +48,12 @@ def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors:
       (``optax.chain(jaxcomp.topk(..., axis_name="data"), optax.sgd(0.1))``).
     max_consecutive_errors: consecutive non-finite steps skipped before a
       non-finite step is accepted (>= 0).
-    axis_name: the data-parallel axis the decision is agreed over (the
-      jaxcomp transforms' ``axis_name``); None: this worker alone (optax's
-      behaviour).
+    axis_name: the axis (or tuple of axes) the decision is agreed over:
+      every axis the jaxcomp transforms inside communicate over (their
+      ``axis_name``, and ``dense_axis_name`` on a two-level mesh, e.g.
+      ``("dcn", "ici")``); a transform inside that communicates over an axis
+      not named here is an error at trace time. None: this worker alone
+      (optax's behaviour), for an ``inner`` that does not communicate.
 
   Returns:
     A transformation whose state is ``optax.ApplyIfFiniteState`` (the counts
@@ -77,12 +81,25 @@ def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors:
     count = jnp.where(ok, jnp.zeros([], jnp.int32), optax.safe_int32_increment(state.notfinite_count))
 
     def accept(_):
-      return inner.update(updates, state.inner_state, params, **extra_args)
+      _AGREED.stack.append(set(_names(axis_name)))
+      try:
+        return inner.update(updates, state.inner_state, params, **extra_args)
+      finally:
+        _AGREED.stack.pop()
 
     def reject(_):
       return jax.tree.map(jnp.zeros_like, updates), state.inner_state
 
-    new_updates, inner_state = lax.cond(ok | (count > limit), accept, reject, None)
+    try:
+      new_updates, inner_state = lax.cond(ok | (count > limit), accept, reject, None)
+    except TypeError as e:
+      if "branches must have equal output types" not in str(e):
+        raise
+      raise TypeError(
+          "jaxcomp.apply_if_finite under jax.shard_map with check_vma=True: the skipped step's zero"
+          " updates are typed varying over the mesh axes, the exchanged mean invariant. Use"
+          " check_vma=False (the per-worker state needs it anyway; jaxcomp makes the update"
+          " bit-identical on every worker, tested)") from e
     return new_updates, optax.ApplyIfFiniteState(
         notfinite_count=count, last_finite=ok,
         total_notfinite=jnp.where(ok, state.total_notfinite, optax.safe_int32_increment(state.total_notfinite)),
@@ -91,29 +108,64 @@ def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors:
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-_OPTAX_GUARD = os.path.join("optax", "transforms", "_conditionality.py")
+class _Agreed(threading.local):
+  """Per thread: the axes each enclosing :func:`apply_if_finite` agreed its skip decision over."""
+
+  def __init__(self):
+    self.stack: list = []
 
 
-def check_not_under_optax_apply_if_finite(axis_name: AxisName) -> None:
-  """Raises at trace time when ``optax.apply_if_finite`` wraps a transform that communicates.
+_AGREED = _Agreed()
 
-  optax's wrapper decides per worker, so a non-finite gradient on one worker
-  would skip the collective there while the others wait for it (a hang).
-  Read from the Python stack of the trace: optax's branch function
-  ``do_update`` is a caller of this transform's ``update``.
-  """
+
+def _names(axis_name: AxisName) -> tuple:
   if axis_name is None:
-    return
-  frame = sys._getframe(1)
+    return ()
+  return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+
+
+_OPTAX_FILE = os.path.join("optax", "transforms", "_conditionality.py")
+
+
+def _under_optax_apply_if_finite(frame) -> bool:
+  """True if a caller is optax.apply_if_finite's update (a closure over ``max_consecutive_errors``).
+
+  Not ``do_update`` alone: optax's ``conditionally_mask`` and
+  ``conditionally_transform`` have branch functions of that name too, but
+  decide on the step count, the same on every worker.
+  """
   while frame is not None:
     code = frame.f_code
-    if code.co_name == "do_update" and code.co_filename.endswith(_OPTAX_GUARD):
-      raise ValueError(
-          f"optax.apply_if_finite wraps a jaxcomp transform that communicates over"
-          f" axis_name={axis_name!r}: optax decides on each worker alone, so a NaN on one worker"
-          " skips the collective there while the other workers wait for it (a hang). Use"
-          f" jaxcomp.apply_if_finite(inner, max_consecutive_errors, axis_name={axis_name!r}), which"
-          " agrees on the skip across the axis, or put optax.apply_if_finite after the jaxcomp"
-          " transform, around the optimizer: optax.chain(jaxcomp.topk(...),"
-          " optax.apply_if_finite(optax.sgd(...), 5)).")
+    if code.co_filename.endswith(_OPTAX_FILE) and "max_consecutive_errors" in code.co_freevars:
+      return True
     frame = frame.f_back
+  return False
+
+
+def check_guarded(axis_name: AxisName, dense_axis_name: AxisName = None) -> None:
+  """Raises at trace time where a skip decided per worker would leave other workers in a collective.
+
+  Called by every jaxcomp transform's ``update`` that communicates: under
+  ``optax.apply_if_finite`` (which decides per worker), or under a
+  :func:`apply_if_finite` that agreed over fewer axes than the transform
+  communicates over (a two-level mesh guarded over the slow axis alone).
+  """
+  names = set(_names(axis_name)) | set(_names(dense_axis_name))
+  if not names:
+    return
+  if _under_optax_apply_if_finite(sys._getframe(1)):
+    raise ValueError(
+        f"optax.apply_if_finite wraps a jaxcomp transform that communicates over"
+        f" axis_name={axis_name!r}: optax decides on each worker alone, so a NaN on one worker"
+        " skips the collective there while the other workers wait for it (a hang). Use"
+        f" jaxcomp.apply_if_finite(inner, max_consecutive_errors, axis_name={tuple(sorted(names, key=str))!r}),"
+        " which agrees on the skip across the axes, or put optax.apply_if_finite after the jaxcomp"
+        " transform, around the optimizer: optax.chain(jaxcomp.topk(...),"
+        " optax.apply_if_finite(optax.sgd(...), 5)).")
+  for agreed in _AGREED.stack:
+    if not names <= agreed:
+      raise ValueError(
+          f"jaxcomp.apply_if_finite agreed on the skip over {sorted(agreed, key=str)!r}, but a jaxcomp"
+          f" transform inside it communicates over {sorted(names, key=str)!r}: a worker that skips"
+          " would leave the others waiting in that collective. Pass every axis the transforms use,"
+          f" e.g. jaxcomp.apply_if_finite(inner, n, axis_name={tuple(sorted(names, key=str))!r}).")

@@ -226,7 +226,7 @@ def traffic(tx: Any, params: Any, workers: int) -> list:
   """
   from jaxcomp import core  # noqa: PLC0415 - core imports this module
 
-  tx = core.compressor(tx, params)
+  tx, params = core._compressor_and_params(tx, params)
   method = getattr(tx, "method", None)
   if not isinstance(method, core.Method):
     raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")

@@ -213,6 +213,9 @@ def test_wire_bytes_traffic_and_steady_through_optax_wrappers():
     assert jaxcomp.wire_bytes(tx, params) == want
     assert jaxcomp.wire_bytes(tx, params) == want  # twice: no cached trace hides the transform
   assert jaxcomp.core.compressor(wrapped[4], params) is inner
+  # optax.masked hands the transform only its leaves: counted on those
+  assert jaxcomp.wire_bytes(wrapped[4], params) == jaxcomp.wire_bytes(inner, {"w": params["w"]})
+  assert jaxcomp.traffic(wrapped[4], params, N) == jaxcomp.traffic(inner, {"w": params["w"]}, N)
   assert jaxcomp.traffic(chain, params, N) == jaxcomp.traffic(inner, params, N)
   warm = optax.chain(jaxcomp.configure(inner, start_step=4), optax.sgd(0.1))
   assert jaxcomp.steady(warm, params).method.start_step == 0

@@ -113,3 +113,37 @@ def test_jaxcomp_apply_if_finite_under_shard_map_skips_on_every_worker():
   u, s = step(worker_grads(params, seed=2), s)
   assert_replicas_equal(u)
   assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(u))
+
+
+def test_optax_step_count_conditions_are_not_refused():
+  # conditionally_mask decides on the step count (the same everywhere): its branch is also named do_update.
+  tx = optax.transforms.conditionally_mask(
+      optax.chain(jaxcomp.topk(ratio=0.1, axis_name=AXIS), optax.sgd(0.1)), lambda count: count >= 1)
+  outs = _run(tx, [worker_grads(params_tree(), seed=s) for s in range(2)])
+  for p, _, u in outs:
+    assert_replicas_equal(p)
+    assert_replicas_equal(u)
+
+
+def test_apply_if_finite_over_fewer_axes_than_the_transform_is_a_clear_error():
+  from jax.sharding import AxisType, PartitionSpec as P
+
+  mesh = jax.make_mesh((2, 4), ("dcn", "ici"), axis_types=(AxisType.Auto,) * 2)
+  inner = optax.chain(jaxcomp.topk(0.1, axis_name="dcn", dense_axis_name="ici"), optax.sgd(0.1))
+  params = {"w": jnp.zeros((64, 32))}
+
+  def run(axes):
+    tx = jaxcomp.apply_if_finite(inner, 3, axis_name=axes)
+
+    def step(g):
+      state = tx.init(params)  # per worker, inside the mesh (dense_axis_name)
+      u, _ = tx.update({"w": g[0]}, state, params)
+      return u["w"][None]
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(("dcn", "ici")), out_specs=P(("dcn", "ici")),
+                                 check_vma=False))(jnp.ones((8, 64, 32)))
+
+  with pytest.raises(ValueError, match=r"axis_name=\('dcn', 'ici'\)"):
+    run("dcn")
+  out = run(("dcn", "ici"))
+  assert np.all(np.isfinite(np.asarray(out)))
