@@ -27,7 +27,7 @@ from jax import lax
 
 from jaxcomp import finite, hierarchy, layout, scatter
 from jaxcomp.collectives import ops, packing
-from jaxcomp.collectives.axis import Axis, AxisName, check_axis_name, current_axis
+from jaxcomp.collectives.axis import Axis, AxisName, axis_names as _names, check_axis_name, current_axis
 
 
 class CompressState(NamedTuple):
@@ -462,12 +462,6 @@ def _check_stages(method: Method, updates, buckets) -> None:
           f"stages: the stage from step {first} lays the gradients out in other buckets than the"
           " first stage (a different bucket policy or block size); every stage must use the same"
           " method with the same bucket_bytes, min_size and dense")
-
-
-def _names(axis_name) -> tuple:
-  if axis_name is None:
-    return ()
-  return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def _chunkable(method: Method) -> bool:

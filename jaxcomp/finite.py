@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp.collectives.axis import AxisName, check_axis_name, current_axis
+from jaxcomp.collectives.axis import AxisName, axis_names as _names, check_axis_name, current_axis
 from jaxcomp.transforms import _args
 
 
@@ -116,12 +116,6 @@ class _Agreed(threading.local):
 
 
 _AGREED = _Agreed()
-
-
-def _names(axis_name: AxisName) -> tuple:
-  if axis_name is None:
-    return ()
-  return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
 
 
 _OPTAX_FILE = os.path.join("optax", "transforms", "_conditionality.py")

@@ -20,6 +20,13 @@ class Axis(NamedTuple):
   index: jax.Array  # int32 scalar, traced
 
 
+def axis_names(axis_name: AxisName) -> tuple:
+  """The names of ``axis_name`` as a tuple: ``()`` for None, one name, or the tuple itself."""
+  if axis_name is None:
+    return ()
+  return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+
+
 def check_axis_name(axis_name: AxisName, arg: str = "axis_name") -> AxisName:
   """Validates ``axis_name`` at construction: None, a hashable, or a tuple of them (``arg``: its argument's name)."""
   if axis_name is None:
