@@ -14,8 +14,9 @@ os.environ.setdefault("PJRT_NPROC", "16")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 import conftest  # noqa: E402,F401  8 CPU devices, every leaf compressed (the tests' trees are small)
-import jaxcomp  # noqa: E402
 import test_scale as T  # noqa: E402
+
+import jaxcomp  # noqa: E402
 
 SCALES = (2.0 ** -27, 1e-7, 1e-4, 1e3)
 ADAM = ("onebit_adam", "zero_one_adam", "demo")

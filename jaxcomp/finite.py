@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp.collectives.axis import AxisName, axis_names as _names, check_axis_name, current_axis
+from jaxcomp.collectives.axis import AxisName, check_axis_name, current_axis
+from jaxcomp.collectives.axis import axis_names as _names
 from jaxcomp.transforms import _args
 
 
@@ -102,7 +103,8 @@ def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors:
           " bit-identical on every worker, tested)") from e
     return new_updates, optax.ApplyIfFiniteState(
         notfinite_count=count, last_finite=ok,
-        total_notfinite=jnp.where(ok, state.total_notfinite, optax.safe_int32_increment(state.total_notfinite)),
+        total_notfinite=jnp.where(ok, state.total_notfinite,
+                                  optax.safe_int32_increment(state.total_notfinite)),
         inner_state=inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -152,7 +154,8 @@ def check_guarded(axis_name: AxisName, dense_axis_name: AxisName = None) -> None
         f"optax.apply_if_finite wraps a jaxcomp transform that communicates over"
         f" axis_name={axis_name!r}: optax decides on each worker alone, so a NaN on one worker"
         " skips the collective there while the other workers wait for it (a hang). Use"
-        f" jaxcomp.apply_if_finite(inner, max_consecutive_errors, axis_name={tuple(sorted(names, key=str))!r}),"
+        " jaxcomp.apply_if_finite(inner, max_consecutive_errors,"
+        f" axis_name={tuple(sorted(names, key=str))!r}),"
         " which agrees on the skip across the axes, or put optax.apply_if_finite after the jaxcomp"
         " transform, around the optimizer: optax.chain(jaxcomp.topk(...),"
         " optax.apply_if_finite(optax.sgd(...), 5)).")

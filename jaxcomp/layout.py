@@ -162,7 +162,7 @@ class Bucket:
 
 def _block(exchange) -> int:
   """The exchange's segment alignment: a multiple of :data:`ROW` (the bucket's row width)."""
-  block = int(getattr(exchange, "block", 1))
+  block = int(exchange.block)
   return block if block % ROW == 0 else block * ROW // np.gcd(block, ROW)
 
 

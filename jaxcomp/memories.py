@@ -1,6 +1,6 @@
 """Momentum-aware error feedback for every codec: momentum correction, EF21 and EF21-SGDM.
 
-Plain error feedback (:class:`jaxcomp.core.Memory`) followed by
+Plain error feedback (:class:`jaxcomp.protocol.Memory`) followed by
 ``optax.sgd(lr, momentum=0.9)`` replays stale residuals through the outer
 momentum. The memories here move the momentum before the compressor, so the
 outer optimizer runs without one (``optax.sgd(lr)``). Pick one with
@@ -29,10 +29,99 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxcomp.core import Memory
+from jaxcomp.collectives.axis import AxisName, current_axis
+from jaxcomp.protocol import DENSE, Memory
 from jaxcomp.transforms import _args
-from jaxcomp.transforms.dgc import DGCMemory, DGCState
+
+
+class DGCState(NamedTuple):
+  """DGC's memory: the corrected momentum ``u`` and the accumulation ``v``.
+
+  Each field is in the bucket layout (one float32 vector per bucket); read
+  them as trees like the parameters with :func:`jaxcomp.memory_tree`.
+  """
+
+  momentum: Any
+  accumulation: Any
+
+
+def dense_buckets(buckets, count: int) -> list:
+  """One bool per bucket: True where the bucket travels dense (every entry is sent)."""
+  if buckets is None:
+    return [False] * count
+  return [b.exchange is DENSE for b in buckets]
+
+
+class DGCMemory(Memory):
+  """Momentum correction, factor masking and local clipping (DGC Sec. 3.2-3.3).
+
+  ``compensate``: clip g (optional; the norm is that of the whole local
+  gradient, every bucket), ``u <- m u + g``, ``v <- v + u``; the exchange
+  sends part of v. ``update``: zero v and u where v was sent (the sent
+  entries are the nonzero entries of the local decode, since an exact zero is
+  never selected); v keeps exactly what was not sent. The memory interface
+  does not hand the gradient to ``update``, so u is recovered there as
+  ``v_new - v_old``: the same value up to one float32 rounding of v.
+
+  Buckets that travel dense (leaves below ``min_size``, or marked ``dense``)
+  send every entry: there v is emptied but u is not masked, so those leaves
+  get plain momentum SGD (``u <- m u + g`` sent whole) instead of losing
+  their momentum every step.
+  """
+
+  def __init__(self, momentum: float, clip_norm: float | None, axis_name: AxisName):
+    super().__init__()
+    self.momentum, self.clip_norm, self.axis_name = momentum, clip_norm, axis_name
+
+  def init(self, params):
+    # Two sets of buffers: a state whose fields share one cannot be donated.
+    return DGCState(momentum=jax.tree.map(jnp.zeros_like, params),
+                    accumulation=jax.tree.map(jnp.zeros_like, params))
+
+  def _clip(self, grads):
+    if self.clip_norm is None:
+      return grads
+    workers = current_axis(self.axis_name).size
+    # Over every bucket, dense ones included: the norm of the whole local gradient (padding is 0).
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+    limit = self.clip_norm / np.sqrt(workers)
+    scale = jnp.where(jnp.isfinite(norm) & (norm > limit), limit / norm, 1.0)
+    return jax.tree.map(lambda g: g * scale, grads)
+
+  def compensate(self, grads, state):
+    g = self._clip(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+    u = jax.tree.map(lambda u, g: self.momentum * u.astype(jnp.float32) + g, state.momentum, g)
+    return jax.tree.map(lambda v, u: v.astype(jnp.float32) + u, state.accumulation, u)
+
+  masks = True  # update() takes ``dense_step``: a traced bool, True on a dense (warm-up) step
+
+  def update(self, x, sent, state, buckets=None, dense_step=None):
+    us, vs = [], []
+    for xb, sb, vb, ub, dense in zip(x, sent, state.accumulation, state.momentum,
+                                     self.unmasked(buckets, len(x))):
+      u_dense = jnp.where(jnp.isfinite(xb), xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype)
+      v_dense = Memory.update(self, (xb,), (sb,), (vb,))[0]
+      if dense:
+        us.append(u_dense)
+        vs.append(v_dense)
+        continue
+      keep = (sb == 0) & jnp.isfinite(xb)
+      u = jnp.where(keep, xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype)
+      v = jnp.where(keep, xb, 0.0).astype(vb.dtype)
+      if dense_step is not None:  # a warm-up step sends every entry: no masking, as a dense bucket
+        u, v = jnp.where(dense_step, u_dense, u), jnp.where(dense_step, v_dense, v)
+      us.append(u)
+      vs.append(v)
+    return DGCState(momentum=tuple(us), accumulation=tuple(vs))
+
+  def unmasked(self, buckets, count: int) -> list:
+    """One bool per bucket: True where u is not masked (the dense buckets)."""
+    return dense_buckets(buckets, count)
+
+  def like_params(self, state):
+    return state.momentum
 
 
 class MomentumCorrection(DGCMemory):
@@ -121,7 +210,8 @@ class EF21(Memory):
     shared = tuple(jnp.where(jnp.isfinite(m), g + m, g) for g, m in zip(state.shared, mean))
     momentum = ()
     if self.eta is not None:  # v_i = x + g_i (the compensated input), kept where finite
-      momentum = tuple(jnp.where(k, xb + est, v) for k, xb, est, v in zip(ok, x, state.estimate, state.momentum))
+      momentum = tuple(jnp.where(k, xb + est, v)
+                       for k, xb, est, v in zip(ok, x, state.estimate, state.momentum))
     return EF21State(estimate, shared, momentum)
 
   def like_params(self, state):

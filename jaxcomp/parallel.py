@@ -18,7 +18,8 @@ import jax
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcomp.sharding import local, stacked
 

@@ -3,7 +3,8 @@
 ``jaxcomp.recipe(name, learning_rate, axis_name=...)`` returns the whole
 chain a method should use in that place: the method, its memory and warm-up,
 and the outer optimizer. :data:`RECIPES` states each choice and why; the
-README's recipe table is printed from it (``python -m jaxcomp.bench recipes``).
+recipe tables of docs/recipes.md are printed from it (``python -m jaxcomp.bench
+recipes``), and the figures behind each choice are there too.
 ``optimizer="adamw"`` gives the recipe for ``optax.adamw``'s place instead
 (:data:`ADAMW_RECIPES`, kinds described by :class:`AdamWRecipe`). Every
 setting of the method's factory and of the optimizer passes through
@@ -40,8 +41,13 @@ from typing import Any
 
 import optax
 
-from jaxcomp.core import configure
 from jaxcomp.memories import ef21, momentum_correction
+from jaxcomp.optimizers.demo import demo
+from jaxcomp.optimizers.onebit_adam import onebit_adam
+from jaxcomp.optimizers.zero_one_adam import zero_one_adam
+from jaxcomp.rebuild import configure
+from jaxcomp.registry import METHODS
+from jaxcomp.transformation import compressed_optimizer
 from jaxcomp.transforms import _args
 from jaxcomp.warmup import ratio_warmup
 
@@ -59,7 +65,7 @@ class Recipe:
     start_step: steps of dense exchange first (:func:`jaxcomp.configure`).
     warmup_steps: DGC's exponential warm-up of the ratio over this many
       steps (:func:`jaxcomp.ratio_warmup`; methods with ``ratio=``).
-    why: one line for the README.
+    why: the reason, in words, for the recipe table (docs/recipes.md holds the figures).
   """
 
   kind: str
@@ -83,30 +89,30 @@ RECIPES: dict[str, Recipe] = {
     "powersgd": Recipe("outer", "error feedback on a rank-4 estimate that keeps most of the energy"),
     "acpsgd": Recipe("outer", "as PowerSGD"),
     "topk": Recipe("inner", "1% of entries: momentum before the residual (DGC's correction)"),
-    "randomk": Recipe("inner", "1% of entries at random: momentum before the residual; dense for 25 steps"
-                      " (100 steps: 91.9% with it, 70.9% without)", start_step=25),
-    "threshold": Recipe("ef21", "a sampled threshold sends an uneven amount: EF21's estimates, outer momentum"),
+    "randomk": Recipe("inner", "1% of entries at random: momentum before the residual; dense for the first"
+                      " steps, which a short run needs", start_step=25),
+    "threshold": Recipe("ef21", "a sampled threshold sends an uneven amount: EF21's estimates, outer"
+                        " momentum"),
     "adaq": Recipe("inner", "sparse and quantized: momentum before the residual"),
     "inceptionn": Recipe("inner", "error feedback on a lossy code: momentum before the residual"),
     "onebit": Recipe("inner", "1 bit with error feedback: momentum before the residual"),
     "signsgd": Recipe("inner", "sign with error feedback (scale per leaf) and momentum before it",
                       method_kwargs=(("error_feedback", True),)),
-    "efsignsgd": Recipe("outer", "its scaled memory holds the learning rate; outer momentum as dense,"
-                        " lr x 0.7 (100 / 600 steps: 93.5 / 96.7% at 0.7 x lr, 94.3 / 96.0% at 1 x,"
-                        " 89.9 / 97.3% at 0.5 x)", lr_scale=0.7),
-    "dgc": Recipe("own", "DGC's own momentum correction and masking; dense for 10 steps instead of its"
-                  " ratio warm-up, no clipping (100 steps: 92.4%; with its warm-up over 40 steps 88.3%,"
-                  " over 20 91.6%; 600 steps with warm-up and clipping: 90.0%); leaves under 1024"
-                  " entries dense (600 steps, seeds 0-2: 97.9, 97.3, 97.6%; every leaf at 0.1%: 97.2,"
-                  " 97.2, 96.5% at 5.8x fewer bytes)",
-                  method_kwargs=(("clip_norm", None), ("warmup_steps", 0), ("min_size", 1024)), start_step=10),
-    "redsync": Recipe("inner", "momentum before the residual, without DGC's masking; DGC's ratio warm-up"
-                      " (100 steps: 93.1% with it, 88.3% without)", warmup_steps=40),
+    "efsignsgd": Recipe("outer", "its scaled memory holds the learning rate; outer momentum as dense, a"
+                        " smaller lr: between the best for short runs (1 x) and for long ones (0.5 x)",
+                        lr_scale=0.7),
+    "dgc": Recipe("own", "DGC's own momentum correction and masking; dense steps first instead of its"
+                  " ratio warm-up, and no clipping (both cost accuracy); small leaves dense (more accurate"
+                  " over seeds than compressing every leaf, which sends fewer bytes)",
+                  method_kwargs=(("clip_norm", None), ("warmup_steps", 0), ("min_size", 1024)),
+                  start_step=10),
+    "redsync": Recipe("inner", "momentum before the residual, without DGC's masking; DGC's ratio warm-up,"
+                      " which a short run needs", warmup_steps=40),
     "signum": Recipe("own", "local momentum, majority vote of signs: a +-1 step, lr scaled",
                      lr_scale=0.02),
     "sbc": Recipe("after", "compresses the optimizer's update, as in the paper: wraps sgd(lr, momentum)"
-                  " (sbc(optimizer=...)); the paper's regime: 1% per side, a sync every 4 steps, every leaf"
-                  " (> 1000x)",
+                  " (sbc(optimizer=...)); the paper's regime: sparse on both sides, a sync every few steps,"
+                  " every leaf compressed",
                   method_kwargs=(("delay", 4), ("min_size", 1))),
 }
 
@@ -129,7 +135,7 @@ class AdamWRecipe:
       rate (a Lion/DeMo-style sign step), with decoupled weight decay;
       ``"after"``: ``adamw`` first, then the method compresses the update (SBC);
       ``"optimizer"``: a complete optimizer (``onebit_adam``, ``demo``).
-    why: one line for the README.
+    why: the reason, in words, for the recipe table (docs/recipes.md holds the figures).
     lr_scale: the learning rate is ``lr_scale * learning_rate``.
     method_kwargs: settings passed to the factory (the caller's override them).
     start_step: steps of dense exchange first; for ``"momentum"``, the freeze step.
@@ -143,8 +149,8 @@ class AdamWRecipe:
 
 
 ADAMW_RECIPES: dict[str, AdamWRecipe] = {
-    # Chosen on the --task lm job (300 steps, held-out nats/char, dense AdamW 1.6257; python -m
-    # jaxcomp.bench lm) and on digits (tests/test_recipes.py); "lm:" quotes the alternatives measured.
+    # Chosen on the --task lm job (python -m jaxcomp.bench lm) and on digits (tests/test_recipes.py);
+    # the held-out losses of each recipe and of the alternatives measured are in docs/recipes.md.
     "none": AdamWRecipe("grad", "dense mean"),
     "fp16": AdamWRecipe("grad", "16-bit rounding only"),
     "bf16": AdamWRecipe("grad", "16-bit rounding only"),
@@ -152,69 +158,66 @@ ADAMW_RECIPES: dict[str, AdamWRecipe] = {
     "natural": AdamWRecipe("grad", "unbiased, small variance"),
     "u8bit": AdamWRecipe("grad", "8-bit table, small relative error"),
     "sketchml": AdamWRecipe("grad", "quantile buckets, small relative error"),
-    "terngrad": AdamWRecipe("grad", "unbiased ternary into Adam, clipped at 1.5 sigma: a smaller scale, less"
-                            " variance for Adam's second moment to absorb (lm: 1.669, 1000 steps 1.362; at its"
-                            " 2.5 sigma: 1.705, 1.405; 1 sigma 1.672; EF21 1.973, on the momentum 1.787)",
+    "terngrad": AdamWRecipe("grad", "unbiased ternary into Adam, clipped tighter than its default: a smaller"
+                            " scale, less variance for Adam's second moment to absorb (better than its own"
+                            " clip, a tighter one, EF21 or the momentum)",
                             method_kwargs=(("clip_sigma", 1.5),)),
-    "powersgd": AdamWRecipe("grad", "error feedback on a rank-16 estimate into Adam; this model's layers are"
-                            " 64 wide, so rank 16 sends 1.8x fewer bytes (lm: 1.686, 1000 steps 1.371; rank 8:"
-                            " 1.752, 1.394; rank 4: 2.008, 1.467; rank 4 EF21 2.257, on the momentum 2.054)",
+    "powersgd": AdamWRecipe("grad", "error feedback on a higher-rank estimate into Adam; this model's"
+                            " layers are narrow, so even this rank sends fewer bytes than dense (lower ranks,"
+                            " EF21 and the momentum lose accuracy)",
                             method_kwargs=(("rank", 16),)),
-    "acpsgd": AdamWRecipe("grad", "as PowerSGD, rank 16 (lm: 1.797, 1000 steps 1.382; rank 4: 2.238, 1.687;"
-                          " rank 8: 1.997; rank 16 after 100 dense steps 1.762, 1.387; on the momentum 2.251)",
+    "acpsgd": AdamWRecipe("grad", "as PowerSGD, at the same rank (lower ranks and the momentum lose"
+                          " accuracy; a dense warm-up helps short runs only)",
                           method_kwargs=(("rank", 16),)),
-    "topk": AdamWRecipe("momentum", "5% of the momentum with error feedback, variance frozen after 100 steps"
-                        " of exact Adam (lm: 1.691 compressing every leaf; small leaves dense: 1.697; 1% 1.859,"
-                        " Adam's update 2.103)",
+    "topk": AdamWRecipe("momentum", "a larger share of the momentum with error feedback, variance frozen"
+                        " after a warm-up of exact Adam (a smaller share, or compressing Adam's update, loses"
+                        " accuracy)",
                         method_kwargs=(("ratio", 0.05),), start_step=100),
-    "randomk": AdamWRecipe("momentum", "25% of the momentum at random (a random entry waits 4 steps on"
-                           " average), variance frozen after 100 steps (lm: 1.738, 1000 steps 1.363; 10%:"
-                           " 1.896, 1.406; 1%: 2.109, 1.868; EF21 2.732, Adam's update 2.912)",
+    "randomk": AdamWRecipe("momentum", "a large share of the momentum at random (a random entry waits only"
+                           " a few steps), variance frozen after a warm-up (smaller shares, EF21 and Adam's"
+                           " update lose accuracy)",
                            method_kwargs=(("ratio", 0.25),), start_step=100),
-    "threshold": AdamWRecipe("momentum", "the momentum's entries above 1.5 x their leaf's RMS (capacity"
-                             " 10%, any scale), variance frozen after 100 steps (lm: 1.654; v_rms 1.25 1.677,"
-                             " 2.0 1.720, 3.0 2.009; absolute v=1e-3 1.783, 1000 steps 1.348; 0.01 2.049;"
-                             " EF21 2.505, Adam's update 2.172)", method_kwargs=(("v_rms", 1.5),),
+    "threshold": AdamWRecipe("momentum", "the momentum's entries above a multiple of their leaf's RMS (any"
+                             " scale), variance frozen after a warm-up (other multiples, absolute thresholds,"
+                             " EF21 and Adam's update do worse)", method_kwargs=(("v_rms", 1.5),),
                              start_step=100),
-    "adaq": AdamWRecipe("momentum", "sparse and quantized momentum, variance frozen after 60 steps (lm:"
-                        " 1.597 compressing every leaf; small leaves dense: 1.600; EF21 1.927)",
+    "adaq": AdamWRecipe("momentum", "sparse and quantized momentum, variance frozen after a short warm-up"
+                        " (EF21 does worse)",
                         start_step=60),
-    "inceptionn": AdamWRecipe("grad", "lossy code, nearly unbiased, into Adam (lm: 1.630; absolute bound"
-                              " 2**-10: 1.640, EF21 1.676, on the momentum 1.760)"),
-    "dgc": AdamWRecipe("momentum", "5% of Adam's momentum (DGC's own momentum off: Adam's is the one),"
-                       " variance frozen after 100 steps (lm: 1.685 compressing every leaf; small leaves dense:"
-                       " 1.683, 1000 steps 1.346; at its 0.1%: 2.083, 1.665; Adam's update 2.266)",
+    "inceptionn": AdamWRecipe("grad", "lossy code, nearly unbiased, into Adam (better than an absolute bound,"
+                              " EF21 or the momentum)"),
+    "dgc": AdamWRecipe("momentum", "a larger share of Adam's momentum (DGC's own momentum off: Adam's is"
+                       " the one), variance frozen after a warm-up (its own ratio and Adam's update lose"
+                       " accuracy)",
                        method_kwargs=(("clip_norm", None), ("warmup_steps", 0), ("momentum", 0.0),
                                       ("ratio", 0.05)), start_step=100),
-    "redsync": AdamWRecipe("momentum", "1% of the momentum, variance frozen after 100 steps (lm: 1.835;"
-                           " digits: 93.9% as EF21 at 0.1%)", method_kwargs=(("ratio", 0.01),), start_step=100),
+    "redsync": AdamWRecipe("momentum", "a small share of the momentum, variance frozen after a warm-up (EF21"
+                           " did worse on digits)", method_kwargs=(("ratio", 0.01),), start_step=100),
     "sbc": AdamWRecipe("momentum", "Adam's momentum through SBC without delay (a delay needs the"
-                       " parameters), 5% per side, variance frozen after 100 steps (lm: 1.748, 1000 steps"
-                       " 1.352, 101x fewer bytes; at its 1%: 1.911, 1.408; digits: 95.3% compressing the"
-                       " update)", method_kwargs=(("delay", 1), ("min_size", 1), ("sparsity", 0.05)),
+                       " parameters), a larger share per side, variance frozen after a warm-up (its own share"
+                       " loses accuracy; compressing the update does worse on digits)",
+                       method_kwargs=(("delay", 1), ("min_size", 1), ("sparsity", 0.05)),
                        start_step=100),
-    "onebit": AdamWRecipe("momentum", "1-bit Adam: the momentum in 1 bit after 50 steps of exact Adam"
-                          " (lm: 1.626)", start_step=50),
-    "signsgd": AdamWRecipe("grad", "majority vote of the gradient's signs into Adam at 2 x lr: Adam's"
-                           " update of +-1 votes is small where the votes disagree (lm: 1.730, 1000 steps 1.412;"
-                           " 1 x lr: 1.768, 1.454; 3 x: 1.722, 1.430; with error feedback 2.309, on the momentum"
-                           " 3.196)", lr_scale=2.0),
-    "efsignsgd": AdamWRecipe("momentum", "the momentum's scaled signs, error feedback (1-bit Adam; lm: 1.621)",
+    "onebit": AdamWRecipe("momentum", "1-bit Adam: the momentum in 1 bit after a warm-up of exact Adam",
+                          start_step=50),
+    "signsgd": AdamWRecipe("grad", "majority vote of the gradient's signs into Adam at a larger lr: Adam's"
+                           " update of +-1 votes is small where the votes disagree (other lrs, error feedback"
+                           " and the momentum do worse)", lr_scale=2.0),
+    "efsignsgd": AdamWRecipe("momentum", "the momentum's scaled signs, error feedback (1-bit Adam)",
                              start_step=50),
-    "signum": AdamWRecipe("sign", "its local momentum's majority vote as a sign step (Lion-like) at 0.7 x"
-                          " Adam's lr (lm: 1.655, 1000 steps 1.355; 1 x lr: 1.713, 1.396; 0.5 x: 1.652,"
-                          " 1.380; digits: 97.2% at 0.7 x and 1 x, 95.0% at 0.5 x)", lr_scale=0.7),
-    "onebit_adam": AdamWRecipe("optimizer", "1-bit Adam itself: exact Adam for 50 steps, then 1 bit",
+    "signum": AdamWRecipe("sign", "its local momentum's majority vote as a sign step (Lion-like) at a smaller"
+                          " lr than Adam's (a larger one does worse on the lm task, a smaller one on digits)",
+                          lr_scale=0.7),
+    "onebit_adam": AdamWRecipe("optimizer", "1-bit Adam itself: exact Adam for a warm-up, then 1 bit",
                                start_step=50),
-    "zero_one_adam": AdamWRecipe("optimizer", "0/1 Adam itself: every step a variance update to step 100"
-                                 " (with its 1-bit gradient steps: 1.996 at 300 steps), then at most one local"
-                                 " step between 1-bit syncs, from step 150 (lm: 1.644, 1000 steps 1.338; up to"
-                                 " 8 local steps: 1.854, 1.353)",
+    "zero_one_adam": AdamWRecipe("optimizer", "0/1 Adam itself: a variance update every step of the"
+                                 " warm-up (its 1-bit gradient steps lose accuracy), then at most one local"
+                                 " step between 1-bit syncs (more local steps do worse)",
                                  method_kwargs=(("var_freeze_step", 100), ("var_update_scaler", 128),
                                                 ("local_step_scaler", 50), ("local_step_clipper", 2))),
     "demo": AdamWRecipe("optimizer", "DeMo itself: local momentum, its DCT top-k fast components exchanged,"
-                        " a sign step; momentum decay 0.99 (lm: 1.780, 1000 steps 1.389; at its 0.999:"
-                        " 1.811, 1.411; lr x 0.5 1.980)", method_kwargs=(("compression_decay", 0.99),)),
+                        " a sign step; a shorter momentum decay than its default (better than the default or"
+                        " a smaller lr)", method_kwargs=(("compression_decay", 0.99),)),
 }
 
 ADAMW = {"b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 1e-4}  # optax.adamw's defaults
@@ -253,7 +256,6 @@ def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = No
     TypeError: a keyword argument that neither the factory nor the optimizer
       takes (the message names both).
   """
-  from jaxcomp import METHODS  # the registry imports this module
 
   _args.choice("optimizer", optimizer, OPTIMIZERS)
   if optimizer == "adamw":
@@ -273,7 +275,6 @@ def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = No
 def recipe_method(name: str, axis_name: Any = None, *, optimizer: str = "sgd", momentum: float | None = None,
                   **kwargs):
   """The compression transform of :func:`recipe` alone; the same arguments (the optimizer's are unused)."""
-  from jaxcomp import METHODS  # the registry imports this module
 
   _args.choice("optimizer", optimizer, OPTIMIZERS)
   if optimizer == "adamw":
@@ -340,9 +341,6 @@ def _scaled(learning_rate, scale):
 
 def _adamw_recipe(name, learning_rate, axis_name, momentum=None, **kwargs):
   """:func:`recipe` with ``optimizer="adamw"``: a complete optimizer with ``.compressor``."""
-  from jaxcomp import METHODS, adam  # the registry imports this module
-  from jaxcomp.core import compressed_optimizer
-  from jaxcomp.transforms.demo import demo  # noqa: PLC0415
 
   name = _args.choice("name", name, tuple(ADAMW_RECIPES))
   r = ADAMW_RECIPES[name]
@@ -351,11 +349,11 @@ def _adamw_recipe(name, learning_rate, axis_name, momentum=None, **kwargs):
     kwargs = {"momentum": momentum, **kwargs}
   wd = {"weight_decay": ADAMW["weight_decay"]}
   if r.kind in ("optimizer", "momentum"):  # a complete optimizer, or 1-bit Adam on the momentum
-    opt = {"zero_one_adam": adam.zero_one_adam, "demo": demo}.get(name, adam.onebit_adam)
+    opt = {"zero_one_adam": zero_one_adam, "demo": demo}.get(name, onebit_adam)
     fixed = ("learning_rate", "axis_name") + (("codec",) if r.kind == "momentum" else ())
     takers = [(opt.__name__, frozenset(inspect.signature(opt).parameters) - {"codec_kwargs", *fixed})]
     defaults = dict(wd)
-    if opt is adam.onebit_adam:
+    if opt is onebit_adam:
       defaults["freeze_step"] = r.start_step
     if r.kind == "momentum":
       defaults["exchange"] = "gather"

@@ -65,50 +65,44 @@ from jax import lax
 
 from jaxcomp import layout
 from jaxcomp.collectives import ops, packing
+from jaxcomp.hierarchy import chunk_length
+from jaxcomp.protocol import Codec, CodecExchange, Exchange
 
 EXCHANGES = ("gather", "scatter")
 
 
-def chunk_length(length: int, workers: int, block: int = 1) -> int:
-  """Entries per chunk when a bucket of ``length`` entries is cut into ``workers`` chunks."""
-  unit = math.lcm(layout.ROW, int(block))
-  return layout.padded(-(-length // workers), unit)
-
-
 def chunk_segments(length: int, workers: int, block: int = 1) -> layout.Segments:
-  c = chunk_length(length, workers, block)
+  """The one segment of a chunk when a bucket of ``length`` entries is cut into ``workers`` chunks.
+
+  Its length is :func:`jaxcomp.hierarchy.chunk_length` rounded up to a multiple of ``block``.
+  """
+  c = layout.padded(chunk_length(length, workers), math.lcm(layout.ROW, int(block)))
   return layout.Segments((0,), (c,), ((c,),), block)
 
 
 def _batched(fn, codec, *args):
   """``fn`` over the leading axis of ``args``: vmapped, or ``lax.map`` for codecs that are not vmappable."""
-  if getattr(codec, "vmappable", True):
+  if codec.vmappable:
     return jax.vmap(fn)(*args)
   return lax.map(lambda a: fn(*a), args)
 
 
 @dataclasses.dataclass(frozen=True)
-class ScatterExchange:
-  """The scatter form of ``inner``.
-
-  ``inner``: a :class:`jaxcomp.core.CodecExchange`, or an exchange with ``scatter_codec(ctx)``.
+class ScatterExchange(Exchange):
+  """The scatter form of ``inner``: an exchange whose ``scatter_codec`` is not None.
 
   State per bucket: the owner residual (float32, the bucket's length).
   ``bucket_wire_bytes(segs, workers)`` needs the number of workers.
   """
 
-  inner: Any
-  carries_nonfinite = False
-  wants_params = False
-  needs_workers = True
+  inner: Exchange
 
   @property
   def block(self) -> int:
     return self.inner.block
 
-  def codec(self, ctx):
-    scatter_codec = getattr(self.inner, "scatter_codec", None)
-    return scatter_codec(ctx) if scatter_codec is not None else self.inner.codec
+  def codec(self, ctx) -> Codec:
+    return self.inner.scatter_codec(ctx)
 
   def init_bucket(self, segs, key):
     del key
@@ -136,7 +130,7 @@ class ScatterExchange:
     dec_key = jax.random.fold_in(key1, me)  # the encode key of chunk me where keys are shared
     mean = codec.aggregate(received, dec_key, cs, n)
     # phase 2: the owner's mean chunk, compressed again with its residual, to everyone
-    codec2 = getattr(codec, "owner_codec", codec)  # a vote's ties need a third value
+    codec2 = codec.owner_codec  # a vote's ties need a third value
     start = me * c
     mine = lax.dynamic_slice_in_dim(jnp.pad(owner, (0, n * c - length)), start, c)
     # entries of no leaf (segment and bucket padding) hold nothing: a codec may decode them nonzero
@@ -149,7 +143,7 @@ class ScatterExchange:
     chunks = _batched(lambda p, k: codec2.decode(p, k, cs), codec2, gathered, keys2).astype(jnp.float32)
     out = chunks.reshape(-1)[:length]
     sent = lax.dynamic_index_in_dim(chunks, me, keepdims=False)  # what every worker applied of chunk me
-    if getattr(codec2, "selects", False):
+    if codec2.selects:
       # A selection (a sparsifier): an entry the owner did not select goes back to the workers
       # that sent it (Ok-Topk, gTop-k): each keeps its own share in its residual and selects it
       # again; the owner keeps only what a selected entry's value lost (and its old residual).
@@ -171,9 +165,9 @@ class ScatterExchange:
 
 def chunk_payload_bytes(ex: ScatterExchange, length: int, workers: int) -> tuple:
   """Bytes of one chunk's payload in phase 1 and in phase 2 (the owner's, of its reduced chunk)."""
-  codec = ex.inner.codec if hasattr(ex.inner, "codec") else ex.inner.scatter_codec(None)
+  codec = ex.inner.scatter_codec(None)
   return _payload_bytes(codec, length, workers, ex.block), \
-      _payload_bytes(getattr(codec, "owner_codec", codec), length, workers, ex.block)
+      _payload_bytes(codec.owner_codec, length, workers, ex.block)
 
 
 def _payload_bytes(codec, length: int, workers: int, block: int) -> int:
@@ -198,54 +192,13 @@ class ScatterRoute:
 
 def scatter_form(exchange, name: str):
   """The exchange that ``exchange="scatter"`` runs in place of ``exchange``."""
-  from jaxcomp.core import CodecExchange  # noqa: PLC0415 - core imports this module's users
   if isinstance(exchange, ScatterExchange):
     return exchange
-  if isinstance(exchange, CodecExchange):
-    return exchange if exchange.codec.linear else ScatterExchange(exchange)  # psums stay all-reduces
-  if hasattr(exchange, "scatter_codec"):
+  if isinstance(exchange, CodecExchange) and exchange.codec.linear:
+    return exchange  # psums stay all-reduces
+  if exchange.scatter_codec(None) is not None:
     return ScatterExchange(exchange)
   raise ValueError(
       f"exchange='scatter' is not available for {name}: its exchange ({type(exchange).__name__}) has no"
       " scatter form (PowerSGD's and ACP-SGD's factors are all-reduced already; SBC keeps its sync"
       " schedule and Golomb stream); use exchange='gather'")
-
-
-def traffic(tx: Any, params: Any, workers: int) -> list:
-  """The collectives of ``tx``'s steady step over ``workers`` workers: one ``(kind, bytes handed)`` per bucket.
-
-  From the bucket layout alone (no compile, any N): a scattered bucket is an
-  all-to-all of ``workers`` chunk payloads and an all-gather of one; a psum-ed
-  one (dense, fp16, random-k, PowerSGD's factors) an all-reduce; the others
-  an all-gather of the bucket's payload; plus the non-finite flag's 4-byte
-  all-reduce where the method needs it. Per kind, the bytes equal those of
-  the compiled program (``jaxcomp.collective_bytes``; XLA may merge
-  collectives of one kind). Fused methods (ACP-SGD) are not covered: measure
-  their compiled program. ``tx`` may be any optax transformation holding one
-  jaxcomp transformation (an ``optax.chain``...; see :func:`jaxcomp.core.compressor`).
-  """
-  from jaxcomp import core  # noqa: PLC0415 - core imports this module
-
-  tx, params = core._compressor_and_params(tx, params)
-  method = getattr(tx, "method", None)
-  if not isinstance(method, core.Method):
-    raise TypeError(f"tx must be a jaxcomp transformation (built by a jaxcomp factory), got {tx!r}")
-  if method.fused is not None:
-    raise ValueError(f"traffic: {method.name}'s fused exchange is not laid out per bucket; measure its"
-                     " compiled program (jaxcomp.collective_bytes)")
-  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-    raise ValueError(f"workers must be an int >= 1, got workers={workers!r}")
-  steady = method.steady()
-  out = []
-  for b in steady.buckets(params):
-    ex = b.exchange
-    if isinstance(ex, ScatterExchange):
-      first, second = chunk_payload_bytes(ex, b.length, workers)
-      out += [("all-to-all", workers * first), ("all-gather", second)]
-    elif isinstance(ex, core.CodecExchange) and ex.codec.linear or getattr(ex, "psums", False):
-      out.append(("all-reduce", ex.bucket_wire_bytes(b.segments)))
-    else:
-      out.append(("all-gather", ex.bucket_wire_bytes(b.segments)))
-  if not core._carries_nonfinite(steady, params):
-    out.append(("all-reduce", core.NONFINITE_FLAG_BYTES))
-  return out

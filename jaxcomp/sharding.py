@@ -14,7 +14,8 @@ from typing import Any, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def per_worker(state: Any, workers: Union[int, Mesh], axis_name: Any = None) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Tuple
 
-from jaxcomp.core import staged
+from jaxcomp.rebuild import staged
 from jaxcomp.transforms import _args
 
 START = 0.25  # DGC's first warm-up density (75% sparsity), divided by 4 per stage

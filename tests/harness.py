@@ -11,7 +11,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 
@@ -128,7 +129,8 @@ def mlp_loss(p, x, y):
   return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(mlp_logits(p, x)), y[:, None], axis=1))
 
 
-def digits_accuracy(tx, digits_data, steps: int, hidden: int = 64, batch: int = 16, replica_atol: float = 0.0):
+def digits_accuracy(tx, digits_data, steps: int, hidden: int = 64, batch: int = 16,
+                    replica_atol: float = 0.0):
   """Held-out accuracy of the digits MLP trained by ``tx`` on 8 workers under pmap (one ``lax.scan``).
 
   The replicas must agree to ``replica_atol`` (0: bit-identical; SBC lands within ulps of its anchor).
@@ -158,7 +160,9 @@ def digits_accuracy(tx, digits_data, steps: int, hidden: int = 64, batch: int = 
 
 
 def powersgd_initial_qs(tx, params):
-  """PowerSGD's initial Q ``(cols, r)`` of every compressed leaf (by leaf index), read from ``tx.init``'s state."""
+  """PowerSGD's initial Q ``(cols, r)`` of every compressed leaf (by leaf index), read
+  from ``tx.init``'s state.
+  """
   from jaxcomp.transforms.lowrank import PowerSGDExchange, _view_groups
 
   qs = {}

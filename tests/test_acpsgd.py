@@ -3,16 +3,24 @@ the algorithm against a numpy version of it, and convergence to the dense loss;
 PowerSGD's buckets (two all-reduces each).
 """
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, pmap_wire_bytes,
-                     run_pmap, worker_grads)
+from harness import (
+  AXIS,
+  N,
+  assert_replicas_equal,
+  assert_trees_close,
+  init_stacked,
+  pmap_wire_bytes,
+  run_pmap,
+  worker_grads,
+)
 
-import harness
 import jaxcomp
-from jaxcomp.core import groups
+from jaxcomp.protocol import groups
 from jaxcomp.transforms.acpsgd import phases
 from jaxcomp.transforms.lowrank import PowerSGDExchange
 

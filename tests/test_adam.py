@@ -5,10 +5,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import (
+  AXIS,
+  N,
+  assert_replicas_equal,
+  assert_trees_close,
+  init_stacked,
+  run_pmap,
+  run_shard_map,
+  worker_grads,
+)
 
 import jaxcomp
-from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, run_pmap,
-                     run_shard_map, worker_grads)
 
 PARAMS = {"w": jnp.zeros((64, 48)), "k": jnp.zeros((3, 3, 8, 16)), "b": jnp.zeros((48,))}
 LR = 1e-2
@@ -74,7 +82,8 @@ def test_local_momentum_stays_with_each_worker_and_error_feedback_delivers_all_o
   tx = jaxcomp.onebit_adam(LR, b1=b1, freeze_step=freeze, axis_name=AXIS, codec="topk", exchange="gather",
                            local_momentum=True, ratio=0.05, min_size=1)
   state = init_stacked(tx, PARAMS)
-  owed = jax.tree.map(jnp.zeros_like, PARAMS)  # the mean over workers of every local momentum after the freeze
+  # the mean over workers of every local momentum after the freeze
+  owed = jax.tree.map(jnp.zeros_like, PARAMS)
   delivered = jax.tree.map(jnp.zeros_like, PARAMS)  # the exchanged means
   for t in range(6):
     grads = worker_grads(PARAMS, seed=t)
@@ -94,7 +103,8 @@ def test_local_momentum_stays_with_each_worker_and_error_feedback_delivers_all_o
                          rtol=1e-5, atol=1e-6)
     state = new
   residual = jaxcomp.memory_tree(tx.compressor, state[0].exchange, PARAMS)
-  assert_trees_close(jax.tree.map(lambda d, r: d + r.mean(0), delivered, residual), owed, rtol=1e-4, atol=1e-5)
+  assert_trees_close(jax.tree.map(lambda d, r: d + r.mean(0), delivered, residual), owed,
+                     rtol=1e-4, atol=1e-5)
 
 
 def test_bad_arguments_are_named():
@@ -108,7 +118,8 @@ def test_bad_arguments_are_named():
     jaxcomp.onebit_adam(LR, local_momentum="yes")
   with pytest.raises(ValueError, match="not available for powersgd"):
     jaxcomp.onebit_adam(LR, codec="powersgd", axis_name=AXIS)
-  assert jaxcomp.onebit_adam(LR, codec="powersgd", exchange="gather", axis_name=AXIS).compressor.exchange == "gather"
+  tx = jaxcomp.onebit_adam(LR, codec="powersgd", exchange="gather", axis_name=AXIS)
+  assert tx.compressor.exchange == "gather"
 
 
 def _zero_one(**kw):
@@ -143,7 +154,8 @@ def test_zero_one_adam_variance_schedule_local_steps_and_syncs():
   # local steps from step 7: interval 1 for 3 steps (every step syncs), then 2 (steps 10, 12 sync)
   for t in range(6, 13):
     params = history[t][3]
-    agree = all(np.allclose(np.asarray(x), np.asarray(x)[:1], rtol=0, atol=1e-6) for x in jax.tree.leaves(params))
+    agree = all(np.allclose(np.asarray(x), np.asarray(x)[:1], rtol=0, atol=1e-6)
+                for x in jax.tree.leaves(params))
     assert agree == ((t + 1) in (7, 8, 9, 10, 12)), (t + 1, agree)
   for _, _, new, params in history:
     for leaf in jax.tree.leaves((new.mu, new.nu, params)):

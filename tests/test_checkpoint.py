@@ -32,7 +32,8 @@ PHASE_TIMEOUT_S = 420
 def _phase(mode: str, directory) -> None:
   """Runs one phase of the script in a new process, bounded, killed with its group on timeout."""
   # Both phases compile with the same flags; LLVM -O0 halves the compile time of these tiny steps.
-  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip())
+  env = dict(os.environ,
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip())
   proc = subprocess.Popen([sys.executable, SCRIPT, mode, str(directory)], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
   try:

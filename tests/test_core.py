@@ -5,13 +5,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import (
+  AXIS,
+  N,
+  assert_replicas_equal,
+  assert_trees_close,
+  init_stacked,
+  params_tree,
+  run_pmap,
+  run_shard_map,
+  worker_grads,
+)
 
 import jaxcomp
 from jaxcomp.layout import Segments
 from jaxcomp.transforms import sparse
 from jaxcomp.transforms.lowrank import PowerSGDExchange
-from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, params_tree,
-                     run_pmap, run_shard_map, worker_grads)
 
 
 def _np(tree):
@@ -449,8 +458,8 @@ def test_collective_bytes_parser():
 
 
 def test_per_worker_state_for_a_mesh():
-  from jax.sharding import PartitionSpec as P
   from harness import mesh
+  from jax.sharding import PartitionSpec as P
   m = mesh()
   tx = jaxcomp.topk(ratio=0.1, axis_name=AXIS)
   st = jaxcomp.per_worker(tx.init(params_tree()), m, AXIS)

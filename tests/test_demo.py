@@ -6,12 +6,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, params_tree,
-                     pmap_wire_bytes, run_pmap, run_shard_map, worker_grads)
+from harness import (
+  AXIS,
+  N,
+  assert_replicas_equal,
+  assert_trees_close,
+  init_stacked,
+  params_tree,
+  pmap_wire_bytes,
+  run_pmap,
+  run_shard_map,
+  worker_grads,
+)
 
 import jaxcomp
 from jaxcomp.layout import Segments
-from jaxcomp.transforms.demo import DCTTopKCodec, dct_matrix, demo
+from jaxcomp.optimizers.demo import DCTTopKCodec, dct_matrix, demo
 
 LR, DECAY, WD = 0.05, 0.9, 0.1
 CHUNK, TOPK = 8, 3  # tiles of 64 entries (block 128 after row alignment), 3 coefficients each
@@ -262,4 +272,4 @@ def test_bad_arguments_name_the_argument(kwargs, name):
 
 def test_schedule_learning_rate_is_accepted():
   opt = demo(lambda count: 0.1 / (1 + count), compression_chunk=CHUNK, compression_topk=TOPK)
-  assert jaxcomp.core.compressor(opt) is opt.compressor
+  assert jaxcomp.compressor(opt) is opt.compressor

@@ -133,7 +133,9 @@ def test_shard_map_model_parallel_matches_pmap():
 
 @pytest.mark.slow
 def test_hierarchical_example_two_processes_equal_one():
-  """train_hierarchical.py: 2 processes x 4 devices (the slow axis between them) == 1 process x 8, bit for bit."""
+  """train_hierarchical.py: 2 processes x 4 devices (the slow axis between them) ==
+  1 process x 8, bit for bit.
+  """
   script = os.path.join(EXAMPLES, "train_hierarchical.py")
   one = _run([script, "--method", "topk", "--steps", "12", "--no-progress"])
   two = _run([script, "--launch", "--method", "topk", "--steps", "12", "--no-progress"])

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import AXIS, N, assert_replicas_equal, params_tree, worker_grads
 
 import jaxcomp
-from harness import AXIS, N, assert_replicas_equal, params_tree, worker_grads
 
 
 def _nan_on_worker(grads, worker=3):
@@ -92,8 +92,8 @@ def test_multisteps_around_a_compressor_is_not_refused():
 
 
 def test_jaxcomp_apply_if_finite_under_shard_map_skips_on_every_worker():
-  from jax.sharding import PartitionSpec as P
   from harness import mesh
+  from jax.sharding import PartitionSpec as P
 
   tx = jaxcomp.apply_if_finite(optax.chain(jaxcomp.topk(ratio=0.1, axis_name=AXIS), optax.sgd(0.1)), 3,
                                axis_name=AXIS)
@@ -126,7 +126,8 @@ def test_optax_step_count_conditions_are_not_refused():
 
 
 def test_apply_if_finite_over_fewer_axes_than_the_transform_is_a_clear_error():
-  from jax.sharding import AxisType, PartitionSpec as P
+  from jax.sharding import AxisType
+  from jax.sharding import PartitionSpec as P
 
   mesh = jax.make_mesh((2, 4), ("dcn", "ici"), axis_types=(AxisType.Auto,) * 2)
   inner = optax.chain(jaxcomp.topk(0.1, axis_name="dcn", dense_axis_name="ici"), optax.sgd(0.1))

@@ -40,7 +40,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxcomp
-from jaxcomp.core import Memory
+from jaxcomp.protocol import Memory
 
 NAMES = sorted(jaxcomp.METHODS)
 
@@ -178,7 +178,8 @@ def _carries_nonfinite(tx) -> bool:
 def _assert_replicas_agree(out, what):
   for k, v in out.items():
     a = np.asarray(v, np.float64)
-    np.testing.assert_array_equal(a, np.broadcast_to(a[:1], a.shape), err_msg=f"{what}: replicas differ in {k}")
+    np.testing.assert_array_equal(a, np.broadcast_to(a[:1], a.shape),
+                                  err_msg=f"{what}: replicas differ in {k}")
 
 
 def _assert_poisoned(tx, out, what):
@@ -236,7 +237,8 @@ def test_odd_gradients_have_the_documented_behaviour(name):
     else:
       overflowed.add(case)  # inside the method: a step to skip, on every worker
       _assert_replicas_agree(out, case)
-  assert overflowed - MAY_OVERFLOW == OVERFLOWS.get(name, set()), f"{name}: overflowed at {sorted(overflowed)}"
+  assert overflowed - MAY_OVERFLOW == OVERFLOWS.get(name, set()), (
+      f"{name}: overflowed at {sorted(overflowed)}")
   out, _ = step(_grads(0.0, 0.0), state0)  # zeros from a fresh state (no residual to send)
   for v in out.values():
     np.testing.assert_array_equal(np.asarray(v, np.float32), 1.0 if name in ZERO_IS_POSITIVE else 0.0)

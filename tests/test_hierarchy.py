@@ -1,4 +1,6 @@
-"""Two-level exchange (dense_axis_name): dense over the fast axis, compressed over the slow one, on a (2, 4) mesh."""
+"""Two-level exchange (dense_axis_name): dense over the fast axis, compressed over the slow
+one, on a (2, 4) mesh.
+"""
 
 import functools
 import inspect
@@ -7,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import hierarchy, layout
@@ -99,7 +102,8 @@ def test_the_scatter_exchange_runs_over_the_slow_axis(name):
     assert owner.shape[-1] in [hierarchy.chunk_length(b.length, F) for b in tx.method.buckets(PARAMS)]
   measured = jaxcomp.collective_bytes(programs(tx)[1].as_text())
   nominal = jaxcomp.wire_bytes_by_axis(tx, PARAMS, F, workers=M)
-  assert measured["by_group_size"].get(M, 0) == nominal[SLOW] and measured["all-to-all"] > 0, (measured, nominal)
+  assert measured["by_group_size"].get(M, 0) == nominal[SLOW] and measured["all-to-all"] > 0, (
+      measured, nominal)
 
 
 def test_error_feedback_conserves_every_value_of_the_chunk():

@@ -8,7 +8,7 @@ import pytest
 from harness import AXIS, N, init_stacked, pmap_wire_bytes, run_pmap, worker_grads
 
 import jaxcomp
-from jaxcomp.core import DENSE
+from jaxcomp.protocol import DENSE
 
 
 def _tree():
@@ -24,7 +24,8 @@ def test_default_policy_sends_small_leaves_dense():
   assert kinds == {False: (2, 0), True: (1,)}
 
 
-SPARSE = ("topk", "randomk", "threshold", "dgc", "adaq", "redsync", "sbc")  # randomk, redsync: small leaves dense, within 1.15x
+# randomk, redsync: small leaves dense, within 1.15x
+SPARSE = ("topk", "randomk", "threshold", "dgc", "adaq", "redsync", "sbc")
 
 
 @pytest.mark.parametrize("name", SPARSE)

@@ -11,13 +11,13 @@ error feedback both matter.
 
 import functools
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import AXIS, init_stacked, run_pmap, worker_grads
 
-import harness
 import jaxcomp
 from jaxcomp.transforms.lowrank import matrix_view
 
@@ -27,7 +27,9 @@ SCALES = (2.0 ** -27, 1e-7, 1e-4, 1e3, 1e4)
 
 
 def tree():
-  """A dense layer, a conv kernel (HWIO, viewed as (72, 16)) and a bias; both matrices compressed up to rank 4."""
+  """A dense layer, a conv kernel (HWIO, viewed as (72, 16)) and a bias; both matrices
+  compressed up to rank 4.
+  """
   return {"bias": jnp.zeros((16,), jnp.float32), "conv": jnp.zeros((3, 3, 8, 16), jnp.float32),
           "w": jnp.zeros((64, 32), jnp.float32)}
 
@@ -41,7 +43,8 @@ def transform(name: str, rank: int = 4):
 def _grads(step, scale=1.0, zero=()):
   """Every worker's float32 gradients at ``step``, times ``scale``; the leaves in ``zero`` all zero."""
   g = worker_grads(tree(), seed=100 + step, n=W)
-  return {k: np.zeros(v.shape, np.float32) if k in zero else (np.float32(scale) * np.asarray(v)).astype(np.float32)
+  return {k: np.zeros(v.shape, np.float32) if k in zero
+             else (np.float32(scale) * np.asarray(v)).astype(np.float32)
           for k, v in g.items()}
 
 

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import AXIS, N, assert_replicas_equal, init_stacked, params_tree, run_pmap, worker_grads
 
 import jaxcomp
-from harness import AXIS, N, assert_replicas_equal, init_stacked, params_tree, run_pmap, worker_grads
 
 M = 0.9
 
@@ -105,9 +105,11 @@ def test_a_non_finite_step_leaves_the_memory_as_it_was(memory):
   assert np.all(np.isnan(np.asarray(out["w"])))
   for a, b in zip(jax.tree.leaves(new.memory), jax.tree.leaves(state.memory)):
     assert np.all(np.isfinite(np.asarray(a)))
-  if isinstance(memory, jaxcomp.memories.EF21):  # nothing was sent: the estimates stay (the velocity may advance)
+  # nothing was sent: the estimates stay (the velocity may advance)
+  if isinstance(memory, jaxcomp.memories.EF21):
     for field in ("estimate", "shared"):
-      for a, b in zip(jax.tree.leaves(getattr(new.memory, field)), jax.tree.leaves(getattr(state.memory, field))):
+      for a, b in zip(jax.tree.leaves(getattr(new.memory, field)),
+                      jax.tree.leaves(getattr(state.memory, field))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

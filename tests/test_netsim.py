@@ -8,7 +8,7 @@ import pytest
 from harness import AXIS, init_stacked, params_tree, worker_grads
 
 import jaxcomp
-from jaxcomp import netsim
+from jaxcomp.bench import netsim
 
 MB = 1e6
 B10 = 1.25e9  # 10 Gb/s in bytes/s
@@ -157,7 +157,8 @@ def test_collectives_read_from_compiled_programs():
     (lambda: netsim.flat(8, 1, algorithm="star"), "algorithm"),
     (lambda: netsim.flat(8, 1).collective("broadcast", 1.0), "kind"),
     (lambda: netsim.communication_time([("bcast", 1.0)], netsim.flat(8, 1)), "kind"),
-    (lambda: netsim.communication_time({"all-reduce": 1.0}, netsim.flat(8, 1), bucket_bytes=0), "bucket_bytes"),
+    (lambda: netsim.communication_time({"all-reduce": 1.0}, netsim.flat(8, 1), bucket_bytes=0),
+     "bucket_bytes"),
     (lambda: netsim.step_time(-1.0, 0.0, 0.0), "compute"),
     (lambda: netsim.step_time(1.0, 0.0, 0.0, backward_fraction=2.0), "backward_fraction"),
 ])

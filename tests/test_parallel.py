@@ -19,7 +19,8 @@ def _loss(p, batch):
 
 def _data(seed):
   rng = np.random.default_rng(seed)
-  return rng.standard_normal((8 * ROWS, 16)).astype(np.float32), rng.standard_normal((8 * ROWS, 4)).astype(np.float32)
+  return (rng.standard_normal((8 * ROWS, 16)).astype(np.float32),
+          rng.standard_normal((8 * ROWS, 4)).astype(np.float32))
 
 
 PARAMS = {"w": jnp.zeros((16, 4)), "b": jnp.zeros((4,))}

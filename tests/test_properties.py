@@ -10,11 +10,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import (
+  AXIS,
+  N,
+  assert_replicas_equal,
+  assert_trees_close,
+  init_stacked,
+  params_tree,
+  pmap_wire_bytes,
+  run_pmap,
+  run_shard_map,
+  worker_grads,
+)
 
 import jaxcomp
-from jaxcomp.core import Memory
-from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked,
-                     params_tree, pmap_wire_bytes, run_pmap, run_shard_map, worker_grads)
+from jaxcomp.protocol import Memory
 
 METHODS = sorted(jaxcomp.METHODS)
 

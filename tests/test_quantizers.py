@@ -17,6 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import (
+  AXIS,
+  N,
+  assert_replicas_equal,
+  assert_trees_close,
+  init_stacked,
+  pmap_wire_bytes,
+  run_pmap,
+  run_shard_map,
+  worker_grads,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -27,8 +38,6 @@ from jaxcomp.layout import Segments, padded
 from jaxcomp.transforms.codes import InceptionnCodec, SketchCodec, lsb_exponent, sample_positions
 from jaxcomp.transforms.quantize import NaturalCodec, QSGDCodec, TernGradCodec, U8bitCodec, dettmers_table
 from jaxcomp.transforms.sign import OneBitCodec, ScaledSignCodec, SignCodec
-from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, pmap_wire_bytes,
-                     run_pmap, run_shard_map, worker_grads)
 
 KEY = jax.random.PRNGKey(42)
 
@@ -720,7 +729,7 @@ def test_factories_take_the_bucket_policy(name):
   # "c" small and "b" dense travel dense, in two buckets ("b" alone fills more than one); "a" compressed.
   buckets = tx.method.buckets(params)
   assert sorted(b.leaves for b in buckets) == [(0,), (1,), (2,)]
-  assert [b.exchange is jaxcomp.core.DENSE for b in buckets] == [True, True, False]
+  assert [b.exchange is jaxcomp.protocol.DENSE for b in buckets] == [True, True, False]
   out, _ = jax.jit(tx.update)(params, tx.init(params))
   assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, params)
 

@@ -1,12 +1,12 @@
 """jaxcomp.recipe on a second real task: an MLP on scikit-learn's digits, every method, 8 workers."""
 
 import conftest
+import harness
 import optax
 import pytest
+from harness import AXIS
 
 import jaxcomp
-import harness
-from harness import AXIS
 
 HIDDEN, STEPS, BATCH, LR = 64, 200, 16, 0.1
 
@@ -27,7 +27,8 @@ def dense_accuracy(digits):
 
 def _default_policy(name):
   """The library's default leaf policy (conftest compresses every leaf): 1024 where the method has no own."""
-  return {} if jaxcomp.METHODS[name]().method.min_size is not None else {"min_size": conftest.DEFAULT_MIN_SIZE}
+  return ({} if jaxcomp.METHODS[name]().method.min_size is not None
+          else {"min_size": conftest.DEFAULT_MIN_SIZE})
 
 
 @pytest.mark.slow
@@ -72,4 +73,5 @@ def test_recipes_cover_every_method_and_say_why():
     assert r.kind in ("grad", "ef21", "momentum", "sign", "after", "optimizer") and r.why, name
   opt = jaxcomp.recipe("topk", 3e-3, axis_name=AXIS, optimizer="adamw")
   assert jaxcomp.recipe_method("inceptionn", axis_name=AXIS, optimizer="adamw").method.name == "inceptionn"
-  assert opt.compressor.method.name == "topk" and opt.compressor.method.start_step == 100  # 1-bit Adam's freeze
+  # 1-bit Adam's freeze
+  assert opt.compressor.method.name == "topk" and opt.compressor.method.start_step == 100

@@ -25,8 +25,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxcomp
+from jaxcomp.kernels import compaction, selection
 from jaxcomp.layout import Segments
-from jaxcomp.transforms import _args, selection
+from jaxcomp.transforms import _args
 from jaxcomp.transforms.redsync import MomentumCorrection
 
 SIZES = (37, 1000)  # a tail shorter than one 32-bit word; several words and a tail
@@ -116,10 +117,10 @@ def test_nan_entries_are_never_selected():
 
 def test_mask_words_and_compact_match_numpy():
   x = _data("normal", 1000, 3)[0]
-  words = jax.jit(selection.mask_words)(jnp.asarray(x), 1.5)
+  words = jax.jit(compaction.mask_words)(jnp.asarray(x), 1.5)
   assert words.shape == (32,) and words.dtype == jnp.uint32
   ref = np.nonzero(np.abs(x) >= 1.5)[0]
-  idx, count = jax.jit(selection.compact, static_argnums=(1, 2))(words, 1000, 200)
+  idx, count = jax.jit(compaction.compact, static_argnums=(1, 2))(words, 1000, 200)
   assert int(count) == min(ref.size, 200)
   np.testing.assert_array_equal(np.asarray(idx)[:ref.size], ref[:200])
   np.testing.assert_array_equal(np.asarray(idx)[ref.size:], 1000)
@@ -130,9 +131,10 @@ def test_mask_words_and_compact_match_numpy():
 def test_circular_compaction_matches_numpy(n, density, capacity, first, seed):
   """threshold / DGC compaction: the first set bits in circular order from a word boundary."""
   mask = np.random.default_rng(seed).random(n) < density
-  words = selection.pack_mask(jnp.asarray(mask))
-  np.testing.assert_array_equal(np.asarray(words), np.asarray(selection.mask_words(jnp.asarray(mask, jnp.float32), 0.5)))
-  idx, count = jax.jit(selection.compact_from_word, static_argnums=1)(words, capacity, jnp.int32(first))
+  words = compaction.pack_mask(jnp.asarray(mask))
+  np.testing.assert_array_equal(np.asarray(words),
+                                np.asarray(compaction.mask_words(jnp.asarray(mask, jnp.float32), 0.5)))
+  idx, count = jax.jit(compaction.compact_from_word, static_argnums=1)(words, capacity, jnp.int32(first))
   w0 = first % words.shape[0] * 32
   order = np.concatenate([np.arange(w0, n), np.arange(0, w0)])
   ref = order[mask[order]][:capacity]
@@ -285,10 +287,10 @@ def test_min_size_is_the_bucket_policy():
   tx = jaxcomp.redsync(axis_name=None)
   assert tx.method.min_size == 256
   params = {"w": jnp.zeros((40, 24)), "b": jnp.zeros((300,))}
-  dense = [b.exchange is jaxcomp.core.DENSE for b in tx.method.buckets(params)]
+  dense = [b.exchange is jaxcomp.protocol.DENSE for b in tx.method.buckets(params)]
   assert dense == [False]  # both leaves compressed, in one bucket
   masked = jaxcomp.redsync(axis_name=None, dense={"w": False, "b": True})
-  assert sorted(b.exchange is jaxcomp.core.DENSE for b in masked.method.buckets(params)) == [False, True]
+  assert sorted(b.exchange is jaxcomp.protocol.DENSE for b in masked.method.buckets(params)) == [False, True]
   assert jaxcomp.redsync(min_size=None).method.min_size is None  # the library's default
 
 
@@ -336,9 +338,9 @@ def test_segment_search_matches_each_leaf_alone(kind):
 @pytest.mark.parametrize("n", [1, 32, 256, 257, 1000, 70001])
 def test_prefix_sums_match_numpy(n):
   v = np.random.default_rng(n).integers(-40, 40, n).astype(np.int32)
-  np.testing.assert_array_equal(np.asarray(jax.jit(selection.prefix_sum)(jnp.asarray(v))), np.cumsum(v))
+  np.testing.assert_array_equal(np.asarray(jax.jit(compaction.prefix_sum)(jnp.asarray(v))), np.cumsum(v))
   lengths = np.array([n // 3, n - 2 * (n // 3), n // 3]) if n >= 3 else np.array([n])
-  sums = jax.jit(lambda v: selection.run_sums(v, lengths))(jnp.asarray(v))
+  sums = jax.jit(lambda v: compaction.run_sums(v, lengths))(jnp.asarray(v))
   np.testing.assert_array_equal(np.asarray(sums), [c.sum() for c in np.split(v, np.cumsum(lengths)[:-1])])
 
 
@@ -350,10 +352,10 @@ def _cap_programs():
 
   @jax.jit
   def two_steps(w, f):
-    words, kept = selection.cap_segments(w, segs, caps, f)
-    return (*selection.compact(words, segs.length, int(caps.sum())), kept)
+    words, kept = compaction.cap_segments(w, segs, caps, f)
+    return (*compaction.compact(words, segs.length, int(caps.sum())), kept)
 
-  one_step = jax.jit(lambda w, f: selection.compact_segments(w, segs, caps, start_words=f))
+  one_step = jax.jit(lambda w, f: compaction.compact_segments(w, segs, caps, start_words=f))
   return sizes, caps, segs, two_steps, one_step
 
 
@@ -369,7 +371,7 @@ def test_cap_segments_matches_numpy(first, density, seed):
   mask = np.zeros(segs.length, bool)
   for s, n in enumerate(sizes):
     mask[segs.offsets[s]:segs.offsets[s] + n] = rng.random(n) < density
-  words = selection.pack_mask(jnp.asarray(mask))
+  words = compaction.pack_mask(jnp.asarray(mask))
   idx, count, kept = two_steps(words, jnp.asarray(first, jnp.int32))
   one = one_step(words, jnp.asarray(first, jnp.int32))
   for a, b in zip(one, (idx, count, kept)):  # the fused form: the same positions, counts, kept bits

@@ -1,4 +1,4 @@
-"""Statistics of jaxcomp.rng, the counter hash behind stochastic rounding.
+"""Statistics of jaxcomp.kernels.rng, the counter hash behind stochastic rounding.
 
 Fixed keys make every check deterministic; the bounds are what a true
 uniform source passes with overwhelming probability, so a failure means a
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomp import rng
+from jaxcomp.kernels import rng
 
 M = 1 << 20
 SIX_SD_CORR = 6 / np.sqrt(M)

@@ -4,12 +4,12 @@ import functools
 import math
 import re
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import harness
 from harness import (
   AXIS,
   N,
@@ -348,7 +348,7 @@ def test_recipe_wraps_momentum_sgd_and_computes_the_old_chain():
   """``jaxcomp.recipe("sbc", lr)``: sgd(lr, momentum) then SBC on its updates, now via ``optimizer=``."""
   tx = jaxcomp.recipe("sbc", 0.05, axis_name=AXIS)
   comp = jaxcomp.recipe_method("sbc", axis_name=AXIS)
-  assert jaxcomp.core.compressor(tx).method.buckets(params_tree())[0].exchange.delay == 4
+  assert jaxcomp.compressor(tx).method.buckets(params_tree())[0].exchange.delay == 4
   assert comp.method.buckets(params_tree())[0].exchange.delay == 4
   old = optax.chain(optax.sgd(0.05, momentum=0.9), comp)
   params0 = jax.tree.map(lambda x: 1.0 + 0.1 * x[0], worker_grads(params_tree(), seed=90))

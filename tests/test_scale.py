@@ -18,9 +18,9 @@ import functools
 import jax
 import numpy as np
 import pytest
+from harness import AXIS, N, init_stacked, params_tree, worker_grads
 
 import jaxcomp
-from harness import AXIS, N, init_stacked, params_tree, worker_grads
 
 STEPS = 4
 POW2 = (2.0 ** -27, 2.0 ** -14, 2.0 ** 14)

@@ -13,15 +13,17 @@ from __future__ import annotations
 import functools
 import math
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import harness
-import jaxcomp
 from harness import AXIS
-from jaxcomp.transforms import codes, dense, dgc as dgc_mod, threshold as thr_mod
+
+import jaxcomp
+from jaxcomp.transforms import codes, dense
+from jaxcomp.transforms import dgc as dgc_mod
+from jaxcomp.transforms import threshold as thr_mod
 
 W = 4  # workers
 STEPS = 3

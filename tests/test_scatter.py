@@ -1,4 +1,5 @@
-"""exchange="scatter": an all-to-all of 1/N chunks, a reduce per chunk, an all-gather of the re-compressed chunks.
+"""exchange="scatter": an all-to-all of 1/N chunks, a reduce per chunk, an all-gather of the
+re-compressed chunks.
 
 Replicas bit-identical, pmap == shard_map, every value either delivered or in
 one of the two residuals (the worker's, the chunk owner's), NaN handling,
@@ -12,13 +13,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import (
+  AXIS,
+  N,
+  assert_replicas_equal,
+  assert_trees_close,
+  init_stacked,
+  params_tree,
+  pmap_wire_bytes,
+  run_pmap,
+  run_shard_map,
+  worker_grads,
+)
 
 import jaxcomp
 from jaxcomp import checkpoint, layout
-from jaxcomp.core import Memory
+from jaxcomp.protocol import Memory
 from jaxcomp.scatter import ScatterExchange
-from harness import (AXIS, N, assert_replicas_equal, assert_trees_close, init_stacked, params_tree,
-                     pmap_wire_bytes, run_pmap, run_shard_map, worker_grads)
 
 NO_SCATTER = ("powersgd", "acpsgd", "sbc")  # all-reduced factors; SBC's sync schedule and Golomb stream
 PSUMMED = ("none", "fp16", "bf16", "randomk")  # already one all-reduce: unchanged
@@ -109,7 +120,8 @@ def test_a_nan_skips_the_step_and_keeps_both_residuals(name):
   out, after = run_pmap(tx, grads, state)
   for leaf in jax.tree.leaves(out):
     assert np.all(np.isnan(np.asarray(leaf)))
-  for a, b in zip(jax.tree.leaves(after.extra), jax.tree.leaves(state.extra)):  # the owners' kept as they were
+  # the owners' kept as they were
+  for a, b in zip(jax.tree.leaves(after.extra), jax.tree.leaves(state.extra)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   for leaf in jax.tree.leaves(after.memory):
     assert np.all(np.isfinite(np.asarray(leaf)))

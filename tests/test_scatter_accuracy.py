@@ -8,11 +8,11 @@ momentum). A selection now hands what the owner did not select back to the
 workers that sent it (jaxcomp/scatter.py).
 """
 
+import harness
 import pytest
+from harness import AXIS
 
 import jaxcomp
-import harness
-from harness import AXIS
 
 HIDDEN, STEPS, BATCH, LR = 64, 300, 16, 0.1
 

@@ -4,10 +4,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import (
+  AXIS,
+  assert_replicas_equal,
+  init_stacked,
+  pmap_wire_bytes,
+  run_pmap,
+  run_shard_map,
+  worker_grads,
+)
 
 import jaxcomp
-from harness import (AXIS, assert_replicas_equal, init_stacked, pmap_wire_bytes, run_pmap, run_shard_map,
-                     worker_grads)
 
 PARAMS = {"w": jnp.zeros((40, 64)), "b": jnp.zeros((24,))}  # one compressed leaf, one dense
 

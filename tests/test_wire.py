@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxcomp
-from jaxcomp import core
+from jaxcomp import method as method_module
 from jaxcomp.collectives import packing
 from jaxcomp.transforms import sparse
 
@@ -96,8 +96,8 @@ def test_every_method_sends_its_nominal_bytes():
 # ----------------------------------------------------------------------------- formulas
 
 LEAF = 2**17  # > 65536: exercises the chunk16 positions of top-k
-# Methods whose payloads lose NaN/Inf all-reduce a non-finite flag each step (core.build).
-FLAG = getattr(core, "NONFINITE_FLAG_BYTES", 0)
+# Methods whose payloads lose NaN/Inf all-reduce a non-finite flag each step (jaxcomp.build).
+FLAG = method_module.NONFINITE_FLAG_BYTES
 
 
 def _nominal(factory, shape=(LEAF,), **kw):
@@ -214,7 +214,8 @@ def test_topk_options_under_pmap_are_the_mean_of_the_workers_selections(kw):
   grads = worker_grads(params)
   out, _ = run_pmap(tx, grads, init_stacked(tx, params))
   assert_replicas_equal(out)
-  sent = [jax.jit(local.update)(jax.tree.map(lambda g, w=w: g[w], grads), local.init(params))[0] for w in range(N)]
+  sent = [jax.jit(local.update)(jax.tree.map(lambda g, w=w: g[w], grads), local.init(params))[0]
+          for w in range(N)]
   expect = jax.tree.map(lambda *s: np.mean(np.stack(s), axis=0), *sent)
   assert_trees_close(jax.tree.map(lambda o: o[0], out), expect, rtol=1e-6, atol=1e-6)
 

@@ -1,12 +1,17 @@
 """``python -m jaxcomp.bench [SUBCOMMAND] [options]``.
 
 Without a subcommand: the training benchmark (every method on the same
-budget). Each subcommand is a module ``jaxcomp.bench.<name>`` with
-``main(argv)``.
+budget; ``--task lm`` runs the transformer task instead). Each subcommand is a
+module ``jaxcomp.bench.<name>`` with ``main(argv)``; no subcommand module
+imports another (what they share is in :mod:`jaxcomp.bench.common`). Output
+that combines several subcommands is composed here: ``network`` prints its
+tables, then ``scale``'s and ``twolevel``'s for the same models, methods and
+latency.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -24,6 +29,36 @@ SUBCOMMANDS = {
 }
 
 
+def run_train(argv: list[str]):
+  """``train``: the CNN benchmark, or with ``--task lm`` the transformer task on the other arguments."""
+  from jaxcomp.bench import train
+
+  p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+  p.add_argument("--task", default="cnn", choices=train.TASKS)
+  known, rest = p.parse_known_args(argv)
+  if known.task == "lm":
+    from jaxcomp.bench import lm
+
+    return lm.main(rest)
+  return train.main(argv)
+
+
+def run_network(argv: list[str]) -> None:
+  """``network``: its tables, then both exchanges at scale and the two-level table with its inputs."""
+  from jaxcomp.bench import network, scale, twolevel
+
+  run = network.main(argv)
+  print(f"\nBoth exchanges at scale (python -m jaxcomp.bench scale), N = {scale.WORKERS}, with the"
+        " compression times above (gather: N - 1 decodes per step; scatter: two):")
+  print(scale.table(run.models, [m for m in scale.METHODS if m in run.methods], latency_us=run.latency_us,
+                    compress=run.compress))
+  print("\nTwo levels (python -m jaxcomp.bench twolevel):\n")
+  print(twolevel.table(run.models, latency_us=run.latency_us))
+
+
+COMPOSED = {"train": run_train, "network": run_network}  # subcommands whose output is composed here
+
+
 def main(argv=None) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
   name = "train"
@@ -31,7 +66,10 @@ def main(argv=None) -> None:
     name = argv.pop(0)
   elif argv and not argv[0].startswith("-"):
     raise SystemExit(f"unknown subcommand {argv[0]!r}; choose one of {sorted(SUBCOMMANDS)}")
-  importlib.import_module(SUBCOMMANDS[name]).main(argv)
+  if name in COMPOSED:
+    COMPOSED[name](argv)
+  else:
+    importlib.import_module(SUBCOMMANDS[name]).main(argv)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,14 @@ as the README's table does; the header prints the setting.
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+
+from jaxcomp.bench.common import VARIANTS, header, time_copy, time_update
 
 # Ratio of each method's time to a memory copy of the same gradients, on
 # ResNet-50's and BERT-base's shapes (the fusion issue's targets); every other
@@ -52,10 +51,6 @@ TARGET_KWARGS: dict[str, dict] = {
     "topk": {"ratio": 0.01}, "dgc": {"ratio": 0.01}, "redsync": {"ratio": 0.01},
     "threshold": {"v": 2.5758, "capacity": 0.0125},
     "powersgd": {"rank": 4}, "acpsgd": {"rank": 4},
-}
-# Extra rows: options of the methods that this benchmark tracks too.
-VARIANTS: dict[str, tuple[str, dict]] = {
-    "topk[chunked]": ("topk", {"ratio": 0.01, "selection": "chunked"}),
 }
 MEMORY_TARGET = 2.0  # compressed step temp bytes / dense step temp bytes
 
@@ -88,27 +83,6 @@ def rows(methods: Sequence[str] | None = None, variants: bool = True) -> list[tu
   return out
 
 
-def _median_time(call: Callable[[], object], reps: int) -> float:
-  import jax
-
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(call())
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
-
-
-def time_copy(grads, reps: int) -> float:
-  """Median seconds of a jitted copy of ``grads`` into fresh buffers."""
-  import jax
-  import jax.numpy as jnp
-
-  copy = jax.jit(lambda g: jax.tree.map(jnp.copy, g))
-  jax.block_until_ready(copy(grads))
-  return _median_time(lambda: copy(grads), reps)
-
-
 def compile_seconds(tx, grads) -> float:
   """Seconds to lower and compile ``jit(tx.update)`` (state donated) for ``grads``' shapes."""
   import jax
@@ -119,32 +93,11 @@ def compile_seconds(tx, grads) -> float:
   return time.perf_counter() - t
 
 
-def time_update(tx, grads, reps: int) -> float:
-  """Median seconds of ``jit(tx.update)`` with the state donated, after one warm-up call."""
-  import jax
-  import jax.numpy as jnp
-
-  # Distinct buffers per leaf: a state whose fields share one buffer (the same
-  # zeros twice) cannot be donated ("donate the same buffer twice").
-  state = jax.tree.map(jnp.copy, tx.init(grads))
-  step = jax.jit(tx.update, donate_argnums=(1,))
-  out, state = step(grads, state)
-  jax.block_until_ready((out, state))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    out, state = step(grads, state)
-    jax.block_until_ready((out, state))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
-
-
 def step_memory(tx, shapes, workers: int = 8) -> dict[str, int]:
   """Memory stats and collectives of the compiled pmap step (state donated) over ``workers`` CPU devices."""
   import jax
 
   import jaxcomp
-
   from jaxcomp.bench import shapes as shp
 
   params = shp.abstract(shapes)
@@ -162,19 +115,6 @@ def step_memory(tx, shapes, workers: int = 8) -> dict[str, int]:
 
 def _kw_text(kwargs: dict) -> str:
   return ",".join(f"{k}={v}" for k, v in kwargs.items())
-
-
-def machine() -> str:
-  return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores"
-          f" ({platform.processor() or 'cpu'})")
-
-
-def header(command: str) -> str:
-  import jax
-
-  now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-  return (f"date: {now}; machine: {machine()}; jax {jax.__version__}"
-          f" ({jax.default_backend()}, {jax.device_count()} devices)\ncommand: {command}")
 
 
 def run_case(label: str, grads, entries, reps: int, workers: int = 8, out=sys.stdout) -> list[dict]:

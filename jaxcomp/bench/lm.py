@@ -8,21 +8,9 @@ one has the leaf shapes of a transformer (embeddings, attention and MLP
 kernels, LayerNorm scales) and is trained with AdamW, so every method is
 also seen in front of an adaptive optimizer.
 
-Data: the English prose of ``pydoc_data.topics`` (the text behind
-``help("topic")``, shipped with CPython), its values joined in sorted-key
-order with newlines; a character vocabulary (the sorted set of its
-characters); the first 90% of the text for training, the last 10% held out.
-Training windows of :data:`CONTEXT` characters are drawn per step and per
-worker from ``numpy.random.default_rng([seed, step])``, so step ``t``'s
-batches depend on the seed and ``t`` alone. The held-out loss is the mean
-cross-entropy (nats per character) over :data:`EVAL_WINDOWS` fixed windows
-spread evenly over the held-out text, with replica 0's parameters after
-training.
-
-Model (:class:`Transformer`): token and learned position embeddings, two
-pre-LayerNorm blocks (causal self-attention with 4 heads of width 64, an MLP
-64 -> 256 -> 64 with GELU), a final LayerNorm and a projection to the
-vocabulary.
+Data and model (:mod:`jaxcomp.bench.transformer`): the English prose of
+``pydoc_data.topics`` as characters, 90% to train on and 10% held out; a
+decoder-only transformer of two blocks.
 
 Each method runs with ``jax.pmap`` over 8 CPU devices, ``batch`` windows per
 worker, in one of two chains:
@@ -34,7 +22,7 @@ worker, in one of two chains:
 The dense baseline (``none``) runs first in each chain. Reported per method:
 the held-out loss and its change against dense, the bytes one worker hands
 to collectives per step (from the compiled step's HLO, the steady state
-after any warm-up), and ``jaxcomp.netsim``'s predicted step time and
+after any warm-up), and ``jaxcomp.bench.netsim``'s predicted step time and
 speed-up over dense for 8 workers on 1 and 10 Gb/s links. Writes
 ``results.json``, ``results.md`` and ``loss_vs_bytes.png`` to ``--out``.
 """
@@ -43,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -53,22 +40,41 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import jaxcomp
-from jaxcomp.bench.train import BLOCK_EVERY, WORKERS, _fmt_bytes, _netsim, _predict, _style
+from jaxcomp.bench import netsim
+from jaxcomp.bench.common import (
+  BLOCK_EVERY,
+  WORKERS,
+  fmt_bytes,
+  header,
+  markdown_table,
+  predicted_times,
+  style,
+  timed_steps,
+)
+from jaxcomp.bench.transformer import (
+  CONTEXT,
+  EVAL_WINDOWS,
+  HEADS,
+  LAYERS,
+  MLP,
+  WIDTH,
+  Transformer,
+  batches,
+  held_out_loss,
+  init_params,
+  load,
+  loss_fn,
+  num_params,
+)
+from jaxcomp.bench.transformer import held_out_starts as held_out_starts  # re-exported: lm.<name>
+from jaxcomp.bench.transformer import train_starts as train_starts
+from jaxcomp.bench.transformer import windows as windows
 
-CONTEXT = 64
-WIDTH = 64
-HEADS = 4
-MLP = 256
-LAYERS = 2
-TRAIN_FRACTION = 0.9
-EVAL_WINDOWS = 128
 DEFAULT_STEPS = 300
 DEFAULT_LR = 3e-3
 PER_WORKER_BATCH = 16
@@ -76,156 +82,9 @@ CHAINS = ("recipe", "default")
 # Complete optimizers that own their exchange: only through jaxcomp.recipe(name, ...).
 RECIPE_ONLY = ("onebit_adam", "zero_one_adam", "demo")
 LATENCY_US = 10.0  # the network model's alpha per message (train.py's default)
-PREDICTED = ("8w@1G", "8w@10G")  # the table's columns: 8 workers on 1 and 10 Gb/s (train._predict's keys)
+PREDICTED = ("8w@1G", "8w@10G")  # the table's columns: 8 workers on 1 and 10 Gb/s (predicted_times' keys)
 WORSE = 0.02  # note: a held-out loss more than 2% above dense
 DIVERGED = 1.5  # note: a held-out loss above 1.5 x dense's (or non-finite) is divergence
-
-
-# ----------------------------------------------------------------------------
-# Data
-
-
-@dataclasses.dataclass(frozen=True)
-class Corpus:
-  """The text, its character vocabulary and the two splits as int32 token ids."""
-
-  text: str
-  vocab: str
-  train: np.ndarray
-  held_out: np.ndarray
-
-  @property
-  def vocab_size(self) -> int:
-    return len(self.vocab)
-
-  def encode(self, s: str) -> np.ndarray:
-    index = {c: i for i, c in enumerate(self.vocab)}
-    return np.asarray([index[c] for c in s], np.int32)
-
-  def decode(self, ids) -> str:
-    return "".join(self.vocab[int(i)] for i in np.asarray(ids).reshape(-1))
-
-
-@functools.lru_cache(maxsize=None)
-def load() -> Corpus:
-  """``pydoc_data.topics`` as a :class:`Corpus`: the first 90% to train on, the last 10% held out."""
-  from pydoc_data.topics import topics
-
-  text = "\n".join(topics[k] for k in sorted(topics))
-  vocab = "".join(sorted(set(text)))
-  table = np.zeros(max(map(ord, vocab)) + 1, np.int32)
-  table[[ord(c) for c in vocab]] = np.arange(len(vocab), dtype=np.int32)
-  ids = table[np.frombuffer(text.encode("utf-32-le"), np.uint32)]
-  cut = int(TRAIN_FRACTION * len(ids))
-  train, held = ids[:cut], ids[cut:]
-  train.flags.writeable = False
-  held.flags.writeable = False
-  return Corpus(text, vocab, train, held)
-
-
-def windows(tokens: np.ndarray, starts: np.ndarray, context: int = CONTEXT) -> Tuple[np.ndarray, np.ndarray]:
-  """Inputs ``tokens[s:s + context]`` and targets ``tokens[s + 1:s + context + 1]`` for each start ``s``."""
-  starts = np.asarray(starts)
-  if starts.size and (starts.min() < 0 or starts.max() > len(tokens) - context - 1):
-    raise ValueError(f"starts must be in [0, {len(tokens) - context - 1}] for {len(tokens)} tokens and"
-                     f" context {context}, got [{starts.min()}, {starts.max()}]")
-  idx = starts[..., None] + np.arange(context + 1)
-  seq = tokens[idx]
-  return seq[..., :-1], seq[..., 1:]
-
-
-def train_starts(n: int, step: int, workers: int, batch: int, seed: int,
-                 context: int = CONTEXT) -> np.ndarray:
-  """(workers, batch) window starts of training step ``step``: ``default_rng([seed, step])``, uniform."""
-  return np.random.default_rng([seed, step]).integers(0, n - context, size=(workers, batch))
-
-
-def held_out_starts(n: int, count: int = EVAL_WINDOWS, context: int = CONTEXT) -> np.ndarray:
-  """``count`` fixed window starts spread evenly over ``n`` held-out tokens (no seed)."""
-  return np.linspace(0, n - context - 1, count).astype(np.int64)
-
-
-def batches(corpus: Corpus, steps: int, workers: int, batch: int, seed: int):
-  """Yields ``steps`` training batches (x, y), each (workers, batch, CONTEXT) int32."""
-  for t in range(steps):
-    yield windows(corpus.train, train_starts(len(corpus.train), t, workers, batch, seed))
-
-
-# ----------------------------------------------------------------------------
-# Model
-
-
-_small = nn.initializers.normal(0.02)  # GPT-2's: the initial logits are near 0, the loss near log(vocab)
-
-
-class Block(nn.Module):
-  """Pre-LayerNorm: x + attention(LN(x)), then x + MLP(LN(x))."""
-
-  width: int = WIDTH
-  heads: int = HEADS
-  mlp: int = MLP
-
-  @nn.compact
-  def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-    h = nn.LayerNorm(name="ln_attention")(x)
-    x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=self.width,
-                                            deterministic=True, name="attention")(h, mask=mask)
-    h = nn.LayerNorm(name="ln_mlp")(x)
-    h = nn.gelu(nn.Dense(self.mlp, name="mlp_in")(h))
-    return x + nn.Dense(self.width, name="mlp_out")(h)
-
-
-class Transformer(nn.Module):
-  """Decoder-only: embeddings, ``layers`` causal blocks, LayerNorm, logits (..., T, vocab_size)."""
-
-  vocab_size: int
-  context: int = CONTEXT
-  width: int = WIDTH
-  heads: int = HEADS
-  mlp: int = MLP
-  layers: int = LAYERS
-
-  @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    length = tokens.shape[-1]
-    if length > self.context:
-      raise ValueError(f"tokens must have at most context={self.context} positions, got {length}")
-    x = nn.Embed(self.vocab_size, self.width, embedding_init=_small, name="tokens")(tokens)
-    x = x + nn.Embed(self.context, self.width, embedding_init=_small, name="positions")(jnp.arange(length))
-    mask = nn.make_causal_mask(tokens)
-    for i in range(self.layers):
-      x = Block(self.width, self.heads, self.mlp, name=f"block{i}")(x, mask)
-    x = nn.LayerNorm(name="ln_final")(x)
-    return nn.Dense(self.vocab_size, kernel_init=_small, name="logits")(x)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _init(model: Transformer, key: jax.Array) -> Any:
-  return model.init(key, jnp.zeros((1, model.context), jnp.int32))["params"]
-
-
-def init_params(model: Transformer, seed: int = 0) -> Any:
-  """The model's parameters (jitted once per model: eager init is slow)."""
-  return _init(model, jax.random.PRNGKey(seed))
-
-
-def loss_fn(params: Any, model: Transformer, x: jax.Array, y: jax.Array) -> jax.Array:
-  """Mean next-character cross-entropy in nats."""
-  logits = model.apply({"params": params}, x)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
-_eval_loss = jax.jit(loss_fn, static_argnums=1)
-
-
-def held_out_loss(params: Any, model, corpus: Corpus) -> float:
-  """Mean cross-entropy (nats per character) over the :data:`EVAL_WINDOWS` fixed held-out windows."""
-  x, y = windows(corpus.held_out, held_out_starts(len(corpus.held_out)))
-  return float(_eval_loss(params, model, x, y))
-
-
-def num_params(params: Any) -> int:
-  return int(sum(p.size for p in jax.tree.leaves(params)))
 
 
 # ----------------------------------------------------------------------------
@@ -321,8 +180,7 @@ def train(name: str, steps: int = DEFAULT_STEPS, chain: str = "recipe", lr: floa
 
 
 def _train(res: Result, seed: int, workers: int, batch: int, progress: bool) -> None:
-  from jaxcomp.bench.train import timed_steps
-  from jaxcomp.core import compressor
+  from jaxcomp.transformation import CompressedOptimizer, compressor
 
   corpus = load()
   model = Transformer(corpus.vocab_size)
@@ -343,8 +201,9 @@ def _train(res: Result, seed: int, workers: int, batch: int, progress: bool) -> 
   res.compile_seconds = time.perf_counter() - t0
   hlo = compiled.as_text()
   inner = compressor(comp)
-  method = getattr(inner, "method", None)
-  rounds = getattr(tx, "bytes_at", None)  # 0/1 Adam: dense, 1-bit and silent rounds in one program
+  method = inner.method if isinstance(inner, jaxcomp.CompressionTransformation) else None
+  # 0/1 Adam: dense, 1-bit and silent rounds in one program
+  rounds = tx.bytes_at if isinstance(tx, CompressedOptimizer) else None
   if method is not None and (method.stages or method.start_step or rounds is not None):
     # The program holds every stage's collectives; the bytes and the network model are the steady
     # state's: the last stage compiled alone (as train.py does).
@@ -359,9 +218,7 @@ def _train(res: Result, seed: int, workers: int, batch: int, progress: bool) -> 
     res.warmup_steps = max([method.start_step] + [first for first, _ in method.stages])
   wire = jaxcomp.collective_bytes(hlo)
   res.wire_bytes, res.collectives = int(wire["total"]), int(wire["count"])
-  netsim = _netsim()
-  if netsim is not None:
-    res.traffic = [list(t) for t in netsim.collectives(hlo)]
+  res.traffic = [list(t) for t in netsim.collectives(hlo)]
   res.nominal_bytes = int(jaxcomp.wire_bytes(comp, params, workers=workers))
 
   run = timed_steps(compiled, P, S, (x0, y0), data, res.steps, f"{res.method:>12} {res.chain}", progress)
@@ -469,19 +326,13 @@ def table(results: List[Result]) -> str:
     vs = (f"{100 * (r.held_out_loss / dense.held_out_loss - 1):+.1f}"
           if dense and math.isfinite(r.held_out_loss) else "-")
     ratio = f"{dense.wire_bytes / r.wire_bytes:.1f}x" if dense and r.wire_bytes > 0 else "-"
-    row = [r.method, r.chain, f"{r.held_out_loss:.4f}", vs, _fmt_bytes(r.wire_bytes), ratio]
+    row = [r.method, r.chain, f"{r.held_out_loss:.4f}", vs, fmt_bytes(r.wire_bytes), ratio]
     for c in PREDICTED:
       t, t_dense = r.predicted.get(c), dense.predicted.get(c) if dense else None
       row += [f"{1e3 * t:.1f}" if t is not None else "-",
               f"{t_dense / t:.2f}x" if t is not None and t_dense is not None else "-"]
     rows.append(row + [_note(r, dense)])
-  widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
-
-  def line(cells):
-    return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-  sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-  return "\n".join([line(head), sep] + [line(r) for r in rows])
+  return markdown_table(head, rows)
 
 
 def figure(results: List[Result], out: str, steps: int) -> str:
@@ -495,7 +346,7 @@ def figure(results: List[Result], out: str, steps: int) -> str:
   order = list(dict.fromkeys(r.method for r in results))
   fig, ax = plt.subplots(figsize=(10, 6))
   for r in ok:  # a method's colour and marker (train.py's), filled for the recipe chain, hollow for default
-    st = _style(order.index(r.method))
+    st = style(order.index(r.method))
     filled = r.chain == "recipe"
     ax.scatter(r.wire_bytes, r.held_out_loss, s=44, marker=st["marker"], zorder=3,
                facecolors=st["color"] if filled else "none", edgecolors=st["color"], linewidths=1.4,
@@ -520,11 +371,68 @@ def figure(results: List[Result], out: str, steps: int) -> str:
   return path
 
 
+def _train_all(plan: List[Tuple[str, str]], args) -> List[Result]:
+  """Every ``(method, chain)`` of ``plan`` in turn, each printed as it ends."""
+  results: List[Result] = []
+  for name, chain in plan:
+    r = train(name, args.steps, chain, args.lr, args.seed, WORKERS, PER_WORKER_BATCH,
+              progress=not args.no_progress)
+    results.append(r)
+    if r.error:
+      print(f"{name:>13} {chain:<7}: failed: {r.error.splitlines()[-1][:120]}", flush=True)
+    else:
+      print(f"{name:>13} {chain:<7}: held-out {r.held_out_loss:.4f}  train {r.final_train_loss:.4f}"
+            f"  {r.wire_bytes:>9,} B/step  {1e3 * r.step_seconds:6.1f} ms/step  (compile"
+            f" {r.compile_seconds:.1f} s, wall {r.wall_seconds:.0f} s)", flush=True)
+  return results
+
+
+def _predict_all(results: List[Result]) -> None:
+  """Fills each result's ``predicted`` step times, against the dense run of its chain."""
+  for r in results:
+    dense = _dense(results, r.chain)
+    if dense is not None and not r.error:
+      try:
+        r.predicted = predicted_times(r, dense, LATENCY_US * 1e-6)
+      except Exception as e:  # noqa: BLE001 -- a model we do not own must not lose the run
+        print(f"network model failed for {r.method}: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _notes() -> List[str]:
+  """The lines under the table: what each column is."""
+  return [
+      "held-out loss: mean cross-entropy in nats per character over"
+      f" {EVAL_WINDOWS} fixed windows of {CONTEXT} from the held-out 10%, replica 0's parameters;"
+      " vs dense: its change against the dense run of the same chain.",
+      "wire B/step: bytes one worker hands to collectives per step, read from the compiled step's HLO"
+      " (after a warm-up: the last stage's, compiled alone); vs dense bytes: dense's bytes / these.",
+      f"pred. 8w@BG: jaxcomp.netsim's step time for 8 workers on a flat ring of B Gb/s links, alpha"
+      f" {LATENCY_US:g} us: the dense step measured here (median over blocks of {BLOCK_EVERY} steps,"
+      f" {WORKERS} workers sharing {os.cpu_count()} CPU cores) as compute, the method's extra step time"
+      " over dense as compression, its compiled step's collectives as traffic, no overlap;"
+      " speed-up: dense's predicted time / the method's.",
+      f"note: flags a held-out loss more than {100 * WORSE:g}% above dense's, and divergence"
+      f" (non-finite, or above {DIVERGED:g}x dense's).",
+  ]
+
+
+def _write(args, meta: dict, results: List[Result], text: str) -> None:
+  """results.json, results.md (``text``) and the figure in ``args.out``; prints their paths."""
+  os.makedirs(args.out, exist_ok=True)
+  written = [os.path.join(args.out, f) for f in ("results.json", "results.md")]
+  with open(written[0], "w") as f:
+    json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1,
+              allow_nan=True)
+  with open(written[1], "w") as f:
+    f.write(text)
+  written.append(figure(results, args.out, args.steps))
+  print(f"wrote {', '.join(written)}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
   args = _parse(argv)
   plan = runs(args.methods, args.chain)
   jaxcomp.cpu_devices(WORKERS)
-  from jaxcomp.bench.kernels import header
 
   corpus = load()
   params = init_params(Transformer(corpus.vocab_size), args.seed)
@@ -540,49 +448,17 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
   print(facts)
   print(f"runs ({len(plan)}): {', '.join(f'{m}/{c}' for m, c in plan)}", flush=True)
 
-  results: List[Result] = []
   t_all = time.perf_counter()
-  for name, chain in plan:
-    r = train(name, args.steps, chain, args.lr, args.seed, WORKERS, PER_WORKER_BATCH,
-              progress=not args.no_progress)
-    results.append(r)
-    if r.error:
-      print(f"{name:>13} {chain:<7}: failed: {r.error.splitlines()[-1][:120]}", flush=True)
-    else:
-      print(f"{name:>13} {chain:<7}: held-out {r.held_out_loss:.4f}  train {r.final_train_loss:.4f}"
-            f"  {r.wire_bytes:>9,} B/step  {1e3 * r.step_seconds:6.1f} ms/step  (compile"
-            f" {r.compile_seconds:.1f} s, wall {r.wall_seconds:.0f} s)", flush=True)
+  results = _train_all(plan, args)
   total = time.perf_counter() - t_all
-
-  netsim = _netsim()
-  for r in results:
-    dense = _dense(results, r.chain)
-    if netsim is not None and dense is not None and not r.error:
-      try:
-        r.predicted = _predict(netsim, r, dense, LATENCY_US * 1e-6)
-      except Exception as e:  # noqa: BLE001 -- a model we do not own must not lose the run
-        print(f"network model failed for {r.method}: {type(e).__name__}: {e}", file=sys.stderr)
+  _predict_all(results)
   md = table(results)
-  notes = [
-      "held-out loss: mean cross-entropy in nats per character over"
-      f" {EVAL_WINDOWS} fixed windows of {CONTEXT} from the held-out 10%, replica 0's parameters;"
-      " vs dense: its change against the dense run of the same chain.",
-      "wire B/step: bytes one worker hands to collectives per step, read from the compiled step's HLO"
-      " (after a warm-up: the last stage's, compiled alone); vs dense bytes: dense's bytes / these.",
-      f"pred. 8w@BG: jaxcomp.netsim's step time for 8 workers on a flat ring of B Gb/s links, alpha"
-      f" {LATENCY_US:g} us: the dense step measured here (median over blocks of {BLOCK_EVERY} steps,"
-      f" {WORKERS} workers sharing {os.cpu_count()} CPU cores) as compute, the method's extra step time"
-      " over dense as compression, its compiled step's collectives as traffic, no overlap;"
-      " speed-up: dense's predicted time / the method's.",
-      f"note: flags a held-out loss more than {100 * WORSE:g}% above dense's, and divergence"
-      f" (non-finite, or above {DIVERGED:g}x dense's).",
-  ]
   print()
   print(md)
+  notes = _notes()
   print("\n" + "\n".join(notes))
   print(f"\ntotal {total:.0f} s")
 
-  os.makedirs(args.out, exist_ok=True)
   meta = {
       "header": head, "command": cmd.strip(), "characters": len(corpus.text), "vocab": corpus.vocab_size,
       "train": len(corpus.train), "held_out": len(corpus.held_out), "context": CONTEXT,
@@ -590,16 +466,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
       "per_worker_batch": PER_WORKER_BATCH, "steps": args.steps, "lr": args.lr, "seed": args.seed,
       "chain": args.chain, "optimizer": "adamw", "jax": jax.__version__,
       "python": platform.python_version(), "cpus": os.cpu_count(), "total_seconds": total,
-      "netsim": netsim is not None, "latency_us": LATENCY_US,
+      "netsim": True, "latency_us": LATENCY_US,
   }
-  written = [os.path.join(args.out, f) for f in ("results.json", "results.md")]
-  with open(written[0], "w") as f:
-    json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1,
-              allow_nan=True)
-  with open(written[1], "w") as f:
-    f.write(f"{head}\n\n{facts}\n\n{md}\n\n" + "\n".join(notes) + f"\n\ntotal {total:.0f} s\n")
-  written.append(figure(results, args.out, args.steps))
-  print(f"wrote {', '.join(written)}")
+  _write(args, meta, results,
+         f"{head}\n\n{facts}\n\n{md}\n\n" + "\n".join(notes) + f"\n\ntotal {total:.0f} s\n")
   return results
 
 

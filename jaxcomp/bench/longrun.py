@@ -66,7 +66,9 @@ def _residual_norm(state):
   import jax
   import jax.numpy as jnp
 
-  has = lambda e: hasattr(e, "residual")  # noqa: E731
+  from jaxcomp.transforms.sbc import SBCState
+
+  has = lambda e: isinstance(e, SBCState)  # noqa: E731
   kept = [e.residual for e in jax.tree.leaves(state.extra, is_leaf=has) if has(e)]
   leaves = [x for x in jax.tree.leaves((state.memory, kept)) if jnp.issubdtype(x.dtype, jnp.floating)]
   if not leaves:
@@ -127,7 +129,8 @@ def run(name: str, steps: int = 2000, workers: int = 8, lr: float = 0.02, satura
     problems.append(f"residual grows: last quarter {last_quarter:.4g} > {GROWTH} x first-half peak"
                     f" {peak_first_half:.4g}")
   final = INT32_MAX if saturate else steps
-  if counts.min() < start or (np.diff(counts.astype(np.int64), axis=1) < 0).any() or counts[:, -1].min() != final:
+  decreasing = (np.diff(counts.astype(np.int64), axis=1) < 0).any()
+  if counts.min() < start or decreasing or counts[:, -1].min() != final:
     problems.append(f"counter: min {counts.min()}, last {counts[:, -1].tolist()}, expected {final}")
   expected_phase = (phase0 + 1 + np.arange(steps, dtype=np.int64)) % 2 ** 32
   if not (phases.astype(np.int64) == expected_phase).all():
@@ -149,7 +152,8 @@ def run(name: str, steps: int = 2000, workers: int = 8, lr: float = 0.02, satura
 
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(prog="python -m jaxcomp.bench longrun", description=__doc__)
-  ap.add_argument("--methods", default="all", help="comma-separated names, 'all', or 'subset' (the CI subset)")
+  ap.add_argument("--methods", default="all",
+                  help="comma-separated names, 'all', or 'subset' (the CI subset)")
   ap.add_argument("--steps", type=int, default=5000)
   ap.add_argument("--workers", type=int, default=8)
   ap.add_argument("--no-saturate", action="store_true", help="start the step counter at 0")

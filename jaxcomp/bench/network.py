@@ -3,7 +3,7 @@
 For ResNet-50-shaped and BERT-base-shaped gradients (:mod:`jaxcomp.bench.shapes`),
 N = 8, 32, 64 workers on 1, 10 and 100 Gb/s links, it prints each method's
 predicted step time and speedup over the dense all-reduce
-(:mod:`jaxcomp.netsim`), without and with overlap of communication and
+(:mod:`jaxcomp.bench.netsim`), without and with overlap of communication and
 backprop. Every input is measured or stated:
 
 - **bytes and collectives**: from the HLO of each method's compiled pmap step
@@ -36,6 +36,7 @@ them), keyed by model, method, settings and JAX version.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -43,24 +44,12 @@ import sys
 import time
 from collections.abc import Sequence
 
+from jaxcomp.bench import netsim
+from jaxcomp.bench.common import COMPUTE, LABELS, VARIANTS, header, time_copy, time_update
+
 DEFAULT_METHODS = ("none", "fp16", "bf16", "powersgd", "acpsgd", "topk", "topk[chunked]", "randomk",
                    "signsgd", "qsgd", "dgc")
-
-# Compute time per step (forward + backward) on one V100, seconds, with where it comes from.
-RESNET50_V100_S = 112 / 367
-BERT_LARGE_V100_S = 32 / 46.78
-COMPUTE: dict[str, tuple[float, str]] = {
-    "resnet50": (RESNET50_V100_S,
-                 ("112 images / 367 img/s: NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5,"
-                  " 1x V100 16GB, FP32, batch 112 (README 'Training performance: NVIDIA DGX-1"
-                  " 16GB', configs.yml)")),
-    "bert-base": (BERT_LARGE_V100_S * 109_482_240 / 335_141_888,
-                  ("estimate: BERT-large's 32 seqs / 46.78 seq/s (NVIDIA DeepLearningExamples,"
-                   " TensorFlow BERT README, pre-training seq 128, 1x V100 32GB, FP32, batch 32)"
-                   " x 109.5M / 335.1M parameters (compute per token ~ parameters)")),
-}
 DEVICE_GBS = 900.0  # V100 HBM2 peak memory bandwidth, GB/s (NVIDIA V100 datasheet)
-LABELS = {"resnet50": "ResNet-50", "bert-base": "BERT-base"}
 KIND_SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
               "collective-permute": "CP"}
 COMPRESS_TEXT = {
@@ -168,7 +157,6 @@ def measure_traffic(factory, kwargs: dict, parts, workers: int = 8) -> dict:
   import jax
 
   import jaxcomp
-  from jaxcomp import netsim
   from jaxcomp.bench import shapes as shp
 
   tx = jaxcomp.steady(factory(axis_name="data", **kwargs))  # after any warm-up
@@ -196,7 +184,6 @@ def measure_round_trip(factory, kwargs: dict, parts, reps: int) -> dict:
   import jax
 
   from jaxcomp.bench import shapes as shp
-  from jaxcomp.bench.kernels import time_copy, time_update
 
   total, copy = 0.0, 0.0
   for i, part in enumerate(parts):
@@ -214,44 +201,51 @@ def measure_decode(factory, kwargs: dict, parts, reps: int, workers: int = 4) ->
   The step is vmapped over 1 and ``workers`` simulated workers with the axis
   bound by vmap: per worker ``t(W) / W = encode + W * decode``, summed over
   ``parts``. The invariant all-gather of :mod:`jaxcomp.collectives.ops` has no
-  vmap rule, so the plain one stands in for it during the measurement. None
-  if the method cannot run under vmap.
+  vmap rule, so the plain one stands in for it during the measurement
+  (``ops.plain_gather``). None if the method cannot run under vmap.
   """
   import jax
-  import jax.numpy as jnp
 
   import jaxcomp
   from jaxcomp.collectives import ops
 
-  saved = ops._gather_invariant
-  ops._gather_invariant = None
   try:
-    tx = jaxcomp.steady(factory(axis_name="data", **kwargs))  # after any warm-up
-    total = 0.0
-    for i, part in enumerate(parts):
-      per_worker = {}
-      for w in (1, workers):
-        keys = jax.random.split(jax.random.PRNGKey(i), len(part))
-        grads = [jax.random.normal(k, (w,) + tuple(s)) for k, s in zip(keys, part)]
-        state = jax.tree.map(jnp.copy, jaxcomp.per_worker(tx.init([g[0] for g in grads]), w))
-        step = jax.jit(jax.vmap(tx.update, axis_name="data"), donate_argnums=(1,))
-        out, state = step(grads, state)
-        jax.block_until_ready(out)
-        times = []
-        for _ in range(reps):
-          t = time.perf_counter()
-          out, state = step(grads, state)
-          jax.block_until_ready((out, state))
-          times.append(time.perf_counter() - t)
-        per_worker[w] = statistics.median(times) / w
-        del grads, state, out
-      total += (per_worker[workers] - per_worker[1]) / (workers - 1)
-    return total
+    with ops.plain_gather():
+      tx = jaxcomp.steady(factory(axis_name="data", **kwargs))  # after any warm-up
+      total = 0.0
+      for i, part in enumerate(parts):
+        total += _decode_seconds(tx, i, part, reps, workers)
+      return total
   except Exception:  # noqa: BLE001 - reported as "not measured"
     return None
   finally:
-    ops._gather_invariant = saved
     jax.clear_caches()
+
+
+def _decode_seconds(tx, i: int, part, reps: int, workers: int) -> float:
+  """:func:`measure_decode` of one part (``i``: the seed of its random gradients)."""
+  import jax
+  import jax.numpy as jnp
+
+  import jaxcomp
+
+  per_worker = {}
+  for w in (1, workers):
+    keys = jax.random.split(jax.random.PRNGKey(i), len(part))
+    grads = [jax.random.normal(k, (w,) + tuple(s)) for k, s in zip(keys, part)]
+    state = jax.tree.map(jnp.copy, jaxcomp.per_worker(tx.init([g[0] for g in grads]), w))
+    step = jax.jit(jax.vmap(tx.update, axis_name="data"), donate_argnums=(1,))
+    out, state = step(grads, state)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+      t = time.perf_counter()
+      out, state = step(grads, state)
+      jax.block_until_ready((out, state))
+      times.append(time.perf_counter() - t)
+    per_worker[w] = statistics.median(times) / w
+    del grads, state, out
+  return (per_worker[workers] - per_worker[1]) / (workers - 1)
 
 
 # ----------------------------------------------------------------------------
@@ -260,7 +254,6 @@ def measure_decode(factory, kwargs: dict, parts, reps: int, workers: int = 4) ->
 
 def _entries(methods: Sequence[str] | None):
   import jaxcomp
-  from jaxcomp.bench.kernels import VARIANTS
 
   names = list(DEFAULT_METHODS if methods is None else methods)
   if names == ["all"]:
@@ -283,7 +276,17 @@ def _fmt_cell(step_s: float, speedup: float) -> str:
   return f"{step_s * 1e3:7.0f} {speedup:5.2f}x"
 
 
-def main(argv=None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Summary:
+  """What :func:`main` measured, for the tables printed after its own (:mod:`jaxcomp.bench.__main__`)."""
+
+  models: tuple[str, ...]
+  methods: tuple[str, ...]  # the rows' labels, in order
+  latency_us: float
+  compress: dict  # model -> label -> (round trip, decode per payload) seconds, as in the tables
+
+
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench network", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="resnet50,bert-base", help="resnet50, bert-base")
@@ -297,7 +300,8 @@ def main(argv=None) -> None:
                       help="workers per node (>1: two-level network, --gbps between nodes)")
   parser.add_argument("--intra-gbps", type=float, default=300.0, help="intra-node link Gb/s (two-level)")
   parser.add_argument("--bucket-mb", type=float, default=25.0,
-                      help="fuse each collective kind into buckets of this many MB (0: the program's own split)")
+                      help="fuse each collective kind into buckets of this many MB"
+                           " (0: the program's own split)")
   parser.add_argument("--compute-ms", default=None,
                       help="override compute per step, e.g. resnet50=305,bert-base=223")
   parser.add_argument("--compress", default="scaled", choices=("scaled", "cpu", "zero"))
@@ -310,44 +314,25 @@ def main(argv=None) -> None:
   parser.add_argument("--by-shape", action="store_true",
                       help="compile and time one program per distinct shape (default: the whole model)")
   parser.add_argument("--quick", action="store_true", help="ResNet-50 only, N=8,64, no decode measurement")
-  args = parser.parse_args(argv)
+  return parser
 
-  import jax
 
-  import jaxcomp
-  from jaxcomp import netsim
-  from jaxcomp.bench import shapes as shp
-  from jaxcomp.bench.kernels import header
-
-  jaxcomp.cpu_devices(8)
-  models = [m for m in args.models.split(",") if m]
-  for m in models:
-    if m not in shp.MODELS:
-      raise SystemExit(f"unknown model {m!r}; choose from {sorted(shp.MODELS)}")
-  workers = [int(w) for w in args.workers.split(",")]
-  gbps = [float(b) for b in args.gbps.split(",")]
-  if args.quick:
-    models, workers = ["resnet50"], [8, 64]
+def _compute(args) -> tuple[dict, dict]:
+  """Compute seconds per step and where each comes from, per model (:data:`COMPUTE`, ``--compute-ms``)."""
   compute = {m: v[0] for m, v in COMPUTE.items()}
   sources = {m: v[1] for m, v in COMPUTE.items()}
   if args.compute_ms:
     for item in args.compute_ms.split(","):
       k, v = item.split("=")
       compute[k], sources[k] = float(v) / 1e3, "given by --compute-ms"
-  entries = _entries(None if args.methods is None else [m for m in args.methods.split(",") if m])
-  cache = Cache(args.cache, args.remeasure)
-  alpha = args.latency_us * 1e-6
-  bucket = args.bucket_mb * 1e6 if args.bucket_mb > 0 else None
+  return compute, sources
 
-  command = "python -m jaxcomp.bench network " + " ".join(argv if argv is not None else sys.argv[1:])
-  print(header(command.strip()))
-  print(f"model: alpha-beta, {args.algorithm} collectives, alpha = {args.latency_us:g} us per message,"
-        + (f" {args.per_node} workers per node on {args.intra_gbps:g} Gb/s links, --gbps between nodes,"
-           if args.per_node > 1 else " flat network (each worker one link of the given bandwidth),")
-        + (f" each collective kind fused into {args.bucket_mb:g} MB buckets;" if bucket else
-           " collectives as compiled;")
-        + " step = compute + compression + communication (no overlap) or forward + compression +"
-        " max(backward, communication) (overlap; backward = 2/3 of compute).")
+
+def _measure(models, entries, args, cache: Cache) -> dict[str, dict[str, dict]]:
+  """model -> label -> {"traffic", "round_trip", "decode"}: each method's measurements (cached)."""
+  import jax
+
+  from jaxcomp.bench import shapes as shp
 
   measured: dict[str, dict[str, dict]] = {}
   for model in models:
@@ -366,82 +351,126 @@ def main(argv=None) -> None:
       measured[model][label] = rec
       print(f"# measured {model} {label}", file=sys.stderr, flush=True)
     jax.clear_caches()
+  return measured
 
+
+def _compression(rec: dict, none_rt: dict | None, nvalues: int, args) -> tuple[float, float]:
+  """(compression, decode per payload) seconds of one method, from its measurements (``--compress``)."""
+  comp, dec = 0.0, 0.0
+  if args.compress != "zero":
+    rt = rec["round_trip"]
+    base_s = none_rt["seconds"] if none_rt else 0.0
+    base_copy = none_rt["copy_seconds"] if none_rt else rt["copy_seconds"]
+    over = max(0.0, rt["seconds"] / rt["copy_seconds"] - base_s / base_copy)  # in copies
+    scale = (2 * 4 * nvalues / (args.device_gbs * 1e9)) if args.compress == "scaled" else rt["copy_seconds"]
+    comp = over * scale
+    d = rec.get("decode")
+    if d is not None:
+      dec = max(0.0, d) / rt["copy_seconds"] * scale if args.compress == "scaled" else max(0.0, d)
+  return comp, dec
+
+
+def _inputs_table(model: str, entries, measured: dict[str, dict], args) -> dict:
+  """Prints each method's inputs on ``model``.
+
+  Returns label -> (collectives, compression seconds, decode seconds per payload, gathered, totals).
+  """
+  from jaxcomp.bench import shapes as shp
+
+  shapes = shp.MODELS[model]()
+  nvalues = shp.count(shapes)
+  dense = measured.get("none")
+  none_rt = dense["round_trip"] if dense and "round_trip" in dense else None
+  print(f"compression: {COMPRESS_TEXT[args.compress].format(gbs=args.device_gbs)}")
+  print(f"{'method':<14} {'settings':<22} {'MB/step':>9} {'collectives':<22} {'wire==nominal':>13}"
+        f" {'CPU x copy':>10} {'compress ms':>11} {'+decode/worker ms':>17}")
+  inputs = {}
+  for label, factory, kw in entries:
+    rec = measured[label]
+    tr = rec["traffic"]
+    tot = tr["totals"]
+    kinds = "+".join(KIND_SHORT[k] for k in netsim.KINDS if tot.get(k))
+    comp, dec = _compression(rec, none_rt, nvalues, args)
+    gathered = tot["all-gather"] > 0
+    inputs[label] = (tr["collectives"], comp, dec, gathered, tot)
+    eq = _agreement(tot["total"], tr["nominal"], factory, kw, split(shapes, not args.by_shape))
+    unmeasured = rec.get("decode") is None and args.compress != "zero"
+    dec_txt = "n/a" if not gathered else ("not measured" if unmeasured else f"{dec * 1e3:.2f}")
+    settings = ",".join(f"{k}={v}" for k, v in kw.items())
+    kinds = f"{kinds} x{tot['count']}"
+    rt = rec.get("round_trip")
+    cpu = f"{rt['seconds'] / rt['copy_seconds']:.2f}" if rt is not None else "-"
+    print(f"{label:<14} {settings:<22} {tot['total'] / 1e6:9.3f} {kinds:<22} {eq:>13}"
+          f" {cpu:>10} {comp * 1e3:11.2f} {dec_txt:>17}")
+  return inputs
+
+
+def _prediction_tables(model: str, entries, inputs: dict, cols, compute: float, args) -> None:
+  """Prints each method's predicted step time and speed-up over dense at every (N, Gb/s) of ``cols``."""
+  alpha = args.latency_us * 1e-6
+  bucket = args.bucket_mb * 1e6 if args.bucket_mb > 0 else None
+  for overlap in (False, True):
+    print(f"\n{LABELS.get(model, model)}, {'with' if overlap else 'without'} overlap:"
+          " predicted step ms and speedup over dense (none)")
+    print(f"{'method':<14} " + " ".join(f"{f'N={n} {b:g}Gb/s':>14}" for n, b in cols))
+    for label, _, _ in entries:
+      colls, comp, dec, gathered, _ = inputs[label]
+      cells = []
+      for n, b in cols:
+        if args.per_node > 1:
+          net = netsim.two_level(n, args.per_node, b, args.intra_gbps, alpha, alpha, args.algorithm)
+        else:
+          net = netsim.flat(n, b, alpha, args.algorithm)
+        c = netsim.compression_time(comp, dec, n, gathered)
+        st = netsim.predict(colls, net, compute, c, overlap, bucket)
+        dcolls, dcomp, ddec, dg, _ = inputs.get("none", (colls, 0.0, 0.0, False, None))
+        dst = netsim.predict(dcolls, net, compute, netsim.compression_time(dcomp, ddec, n, dg),
+                             overlap, bucket)
+        cells.append(_fmt_cell(st.total, netsim.speedup(st, dst)))
+      print(f"{label:<14} " + " ".join(cells))
+
+
+def main(argv=None) -> Summary:
+  """Prints the network tables; ``python -m jaxcomp.bench network`` then prints scale's and twolevel's."""
+  args = _parser().parse_args(argv)
+
+  import jaxcomp
+  from jaxcomp.bench import shapes as shp
+
+  jaxcomp.cpu_devices(8)
+  models = [m for m in args.models.split(",") if m]
+  for m in models:
+    if m not in shp.MODELS:
+      raise SystemExit(f"unknown model {m!r}; choose from {sorted(shp.MODELS)}")
+  workers = [int(w) for w in args.workers.split(",")]
+  gbps = [float(b) for b in args.gbps.split(",")]
+  if args.quick:
+    models, workers = ["resnet50"], [8, 64]
+  compute, sources = _compute(args)
+  entries = _entries(None if args.methods is None else [m for m in args.methods.split(",") if m])
+  cache = Cache(args.cache, args.remeasure)
+
+  command = "python -m jaxcomp.bench network " + " ".join(argv if argv is not None else sys.argv[1:])
+  print(header(command.strip()))
+  print(f"model: alpha-beta, {args.algorithm} collectives, alpha = {args.latency_us:g} us per message,"
+        + (f" {args.per_node} workers per node on {args.intra_gbps:g} Gb/s links, --gbps between nodes,"
+           if args.per_node > 1 else " flat network (each worker one link of the given bandwidth),")
+        + (f" each collective kind fused into {args.bucket_mb:g} MB buckets;" if args.bucket_mb > 0 else
+           " collectives as compiled;")
+        + " step = compute + compression + communication (no overlap) or forward + compression +"
+        " max(backward, communication) (overlap; backward = 2/3 of compute).")
+
+  measured = _measure(models, entries, args, cache)
   compress: dict[str, dict] = {}  # model -> method -> (round trip, decode) seconds, for the scale table
   for model in models:
     shapes = shp.MODELS[model]()
     nvalues = shp.count(shapes)
-    dense = measured[model].get("none")
-    none_rt = dense["round_trip"] if dense and "round_trip" in dense else None
     print(f"\n=== {LABELS.get(model, model)}: {len(shapes)} gradients, {nvalues:,} values"
           f" ({4 * nvalues / 1e6:.1f} MB in float32); compute {compute[model] * 1e3:.0f} ms/step"
           f" ({sources[model]}) ===")
-    # Per-method inputs.
-    print(f"compression: {COMPRESS_TEXT[args.compress].format(gbs=args.device_gbs)}")
-    print(f"{'method':<14} {'settings':<22} {'MB/step':>9} {'collectives':<22} {'wire==nominal':>13}"
-          f" {'CPU x copy':>10} {'compress ms':>11} {'+decode/worker ms':>17}")
-    inputs = {}
-    for label, factory, kw in entries:
-      rec = measured[model][label]
-      tr = rec["traffic"]
-      tot = tr["totals"]
-      kinds = "+".join(KIND_SHORT[k] for k in netsim.KINDS if tot.get(k))
-      comp, dec = 0.0, 0.0
-      if args.compress != "zero":
-        rt = rec["round_trip"]
-        base_s = none_rt["seconds"] if none_rt else 0.0
-        base_copy = none_rt["copy_seconds"] if none_rt else rt["copy_seconds"]
-        over = max(0.0, rt["seconds"] / rt["copy_seconds"] - base_s / base_copy)  # in copies
-        scale = (2 * 4 * nvalues / (args.device_gbs * 1e9)) if args.compress == "scaled" else rt["copy_seconds"]
-        comp = over * scale
-        d = rec.get("decode")
-        if d is not None:
-          dec = max(0.0, d) / rt["copy_seconds"] * scale if args.compress == "scaled" else max(0.0, d)
-      gathered = tot["all-gather"] > 0
-      inputs[label] = (tr["collectives"], comp, dec, gathered, tot)
-      compress.setdefault(model, {})[label] = (comp, dec)
-      eq = _agreement(tot["total"], tr["nominal"], factory, kw, split(shapes, not args.by_shape))
-      dec_txt = ("n/a" if not gathered else
-                 ("not measured" if rec.get("decode") is None and args.compress != "zero" else f"{dec * 1e3:.2f}"))
-      settings = ",".join(f"{k}={v}" for k, v in kw.items())
-      kinds = f"{kinds} x{tot['count']}"
-      cpu = f"{rec['round_trip']['seconds'] / rec['round_trip']['copy_seconds']:.2f}" if "round_trip" in rec else "-"
-      print(f"{label:<14} {settings:<22} {tot['total'] / 1e6:9.3f} {kinds:<22} {eq:>13}"
-            f" {cpu:>10} {comp * 1e3:11.2f} {dec_txt:>17}")
-    for overlap in (False, True):
-      print(f"\n{LABELS.get(model, model)}, {'with' if overlap else 'without'} overlap:"
-            " predicted step ms and speedup over dense (none)")
-      cols = [(n, b) for n in workers for b in gbps]
-      print(f"{'method':<14} " + " ".join(f"{f'N={n} {b:g}Gb/s':>14}" for n, b in cols))
-      for label, _, _ in entries:
-        colls, comp, dec, gathered, _ = inputs[label]
-        cells = []
-        for n, b in cols:
-          if args.per_node > 1:
-            net = netsim.two_level(n, args.per_node, b, args.intra_gbps, alpha, alpha, args.algorithm)
-          else:
-            net = netsim.flat(n, b, alpha, args.algorithm)
-          c = netsim.compression_time(comp, dec, n, gathered)
-          st = netsim.predict(colls, net, compute[model], c, overlap, bucket)
-          dcolls, dcomp, ddec, dg, _ = inputs.get("none", (colls, 0.0, 0.0, False, None))
-          dst = netsim.predict(dcolls, net, compute[model], netsim.compression_time(dcomp, ddec, n, dg),
-                               overlap, bucket)
-          cells.append(_fmt_cell(st.total, netsim.speedup(st, dst)))
-        print(f"{label:<14} " + " ".join(cells))
+    inputs = _inputs_table(model, entries, measured[model], args)
+    compress[model] = {label: (comp, dec) for label, (_, comp, dec, _, _) in inputs.items()}
+    _prediction_tables(model, entries, inputs, [(n, b) for n in workers for b in gbps], compute[model], args)
   if cache.hits:
     print(f"\n({cache.hits} measurements read from the cache {args.cache}; --remeasure to redo them)")
-  from jaxcomp.bench import scale  # both exchanges at N = 8 ... 1024
-
-  labels = [label for label, _, _ in entries]
-  print(f"\nBoth exchanges at scale (python -m jaxcomp.bench scale), N = {scale.WORKERS}, with the compression"
-        " times above (gather: N - 1 decodes per step; scatter: two):")
-  print(scale.table(tuple(models), [m for m in scale.METHODS if m in labels], latency_us=args.latency_us,
-                    compress=compress))
-  from jaxcomp.bench import twolevel  # compressing between nodes only (dense_axis_name)
-
-  print("\nTwo levels (python -m jaxcomp.bench twolevel):\n")
-  print(twolevel.table(tuple(models), latency_us=args.latency_us))
-
-
-if __name__ == "__main__":
-  main()
+  return Summary(tuple(models), tuple(label for label, _, _ in entries), args.latency_us, compress)

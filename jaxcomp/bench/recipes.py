@@ -1,4 +1,7 @@
-"""``python -m jaxcomp.bench recipes``: every method's recipes (sgd and AdamW) as markdown tables (for the README)."""
+"""``python -m jaxcomp.bench recipes``: every method's recipes (sgd and AdamW) as markdown tables.
+
+docs/recipes.md holds this command's output.
+"""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Times, on one device, the selection of the ``k = ceil(ratio * n)`` largest
 ``|x|`` of a float32 vector of standard normal values:
 
 - ``top_k``: ``lax.top_k(jnp.abs(x), k)``, what the plain top-k codec runs;
-- ``trimmed``: :func:`jaxcomp.transforms.selection.trimmed_topk` (exact top-k);
-- ``bsearch``: :func:`jaxcomp.transforms.selection.threshold_binary_search`
+- ``trimmed``: :func:`jaxcomp.kernels.selection.trimmed_topk` (exact top-k);
+- ``bsearch``: :func:`jaxcomp.kernels.selection.threshold_binary_search`
   from a cold start (between k and 2k entries);
 - ``bsearch warm``: the same, started from the threshold found on another
   vector of the same distribution (as when the threshold is carried from the
@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.transforms import _args, selection
+from jaxcomp.kernels import selection
+from jaxcomp.transforms import _args
 
 SIZES = (1 << 24, 25_557_032)
 QUICK_SIZES = (1 << 16, 1 << 18)

@@ -22,8 +22,8 @@ not reduced on device, so those bytes are the optimizer's alone), the
 compression ratio against dense, the step time as a ratio to dense's (median
 over blocks of 8 steps, same process, same machine — on a shared CPU this is
 noisy; all 8 workers share the host's cores, so it is the compute and
-compression cost, not a network time), and, when ``jaxcomp.netsim`` is
-available, its predicted step time on a real network. Methods whose accuracy
+compression cost, not a network time), and its predicted step time on a
+real network (:mod:`jaxcomp.bench.netsim`). Methods whose accuracy
 ends more than 1 point below dense are flagged in the ``note`` column.
 
 Optimizer: one learning rate and momentum for all methods, with two
@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib
 import json
 import math
 import os
@@ -53,10 +52,21 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence
 
+from jaxcomp.bench import netsim
+from jaxcomp.bench.common import (
+  BLOCK_EVERY,
+  NETWORK_GBPS,
+  NETWORK_WORKERS,
+  WORKERS,
+  fmt_bytes,
+  markdown_table,
+  predicted_times,
+  style,
+  timed_steps,
+)
+
 DEFAULT_STEPS = 600
 QUICK_STEPS = 100
-BLOCK_EVERY = 8
-WORKERS = 8
 PER_WORKER_BATCH = 16
 BASE_LR = 0.05
 # Methods whose output is a sign (+-1/0) rather than a gradient estimate: the
@@ -72,8 +82,6 @@ MOMENTUM_OVERRIDE = {"dgc": 0.0, "signum": 0.0}
 # --tune: the learning rate of each method's chain times these (1.0 is the table's run), so that a
 # method's loss is never just an untuned learning rate.
 TUNE_SCALES = (0.25, 0.5, 1.0, 2.0, 4.0)
-NETWORK_GBPS = (1, 10, 100)
-NETWORK_WORKERS = (8, 32)
 TASKS = ("cnn", "lm")  # --task: this CNN benchmark, or the transformer language model (jaxcomp.bench.lm)
 
 
@@ -146,14 +154,6 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   return args
 
 
-def _task(argv: Sequence[str]):
-  """(``--task``'s value, the other arguments)."""
-  p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-  p.add_argument("--task", default="cnn", choices=TASKS)
-  known, rest = p.parse_known_args(argv)
-  return known.task, rest
-
-
 def _select(methods: Dict[str, Any], spec: str) -> List[str]:
   names = list(methods) if not spec else [m.strip() for m in spec.split(",") if m.strip()]
   unknown = [m for m in names if m not in methods]
@@ -165,33 +165,6 @@ def _select(methods: Dict[str, Any], spec: str) -> List[str]:
   return names
 
 
-def _netsim():
-  """``jaxcomp.netsim`` if it exists (another part of the project provides it)."""
-  try:
-    return importlib.import_module("jaxcomp.netsim")
-  except ImportError:
-    return None
-
-
-def _predict(netsim, r: Result, dense: Result, latency: float) -> Dict[str, float]:
-  """Predicted step time (s) per "{workers}w@{Gb/s}G" on a flat ring network.
-
-  compute = the dense step measured in this run; compression = how much
-  longer this method's step took than dense's (>= 0); communication = the
-  collectives of the method's compiled step, one ``(kind, bytes)`` per
-  instruction, priced by the alpha-beta model, no overlap. Per-worker
-  payloads do not depend on the worker count, so the 8-worker program's
-  traffic is priced at 32 workers as well.
-  """
-  out = {}
-  compression = max(0.0, r.step_seconds - dense.step_seconds)
-  for n in NETWORK_WORKERS:
-    for gbps in NETWORK_GBPS:
-      net = netsim.flat(n, gbps, latency=latency)
-      out[f"{n}w@{gbps}G"] = float(netsim.predict(r.traffic, net, dense.step_seconds, compression).total)
-  return out
-
-
 def _scatters(factory) -> bool:
   """Whether the method has a scatter form (``exchange="scatter"``); PowerSGD, ACP-SGD and SBC do not."""
   try:
@@ -199,57 +172,6 @@ def _scatters(factory) -> bool:
   except ValueError:
     return False
   return True
-
-
-@dataclasses.dataclass
-class TimedRun:
-  """What :func:`timed_steps` returns."""
-
-  params: Any  # the per-worker parameters after the last step (on device)
-  losses: List[float]  # every step's loss, the mean over workers
-  block_ends: List[int]  # the step counts at which the clock was read
-  seconds: float  # the whole loop
-  step_seconds: float  # the median over blocks of seconds per step
-
-
-def timed_steps(compiled, P, S, first, rest, steps: int, desc: str, progress: bool) -> TimedRun:
-  """Runs the compiled pmapped step on ``first`` and then every batch of ``rest`` (``steps`` in all).
-
-  The step returns ``(params, state, per-worker loss)``. The clock is read every
-  :data:`BLOCK_EVERY` steps and at the end, after waiting for the step (which also bounds the
-  dispatch queue: DESIGN.md, JAX facts); the step time is the median over those blocks.
-  """
-  import jax
-  import numpy as np
-  from tqdm.auto import tqdm
-
-  bar = tqdm(total=steps, desc=desc, disable=not progress, mininterval=1.0, dynamic_ncols=True,
-             file=sys.stderr)
-  t_train = time.perf_counter()
-  P, S, loss = compiled(P, S, *first)
-  jax.block_until_ready(loss)
-  pending, losses, blocks, ends = [loss], [], [], []
-  t_block, done, last = time.perf_counter(), 1, 1
-  for batch in rest:
-    P, S, loss = compiled(P, S, *batch)
-    pending.append(loss)
-    done += 1
-    if done % BLOCK_EVERY == 0 or done == steps:
-      jax.block_until_ready(loss)
-      now = time.perf_counter()
-      blocks.append((now - t_block) / (done - last))
-      ends.append(done)
-      t_block, last = now, done
-      losses.extend(float(v) for v in np.asarray(jax.device_get(pending)).mean(axis=1))
-      pending = []
-      bar.update(done - bar.n)
-      bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-  if pending:  # a single step
-    losses.extend(float(v) for v in np.asarray(jax.device_get(pending)).mean(axis=1))
-  jax.block_until_ready(P)
-  bar.close()
-  seconds = time.perf_counter() - t_train
-  return TimedRun(P, losses, ends, seconds, float(np.median(blocks)) if blocks else seconds / steps)
 
 
 def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args, net,
@@ -263,7 +185,8 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   from jaxcomp.bench import data, model
 
   res = Result(name, lr, momentum)
-  kw = {"exchange": "scatter"} if getattr(args, "exchange", "gather") == "scatter" and _scatters(factory) else {}
+  scatter = getattr(args, "exchange", "gather") == "scatter" and _scatters(factory)
+  kw = {"exchange": "scatter"} if scatter else {}
   if args.plain:
     comp = factory(axis_name="data", **kw)
     tx = optax.chain(comp, optax.sgd(lr, momentum=momentum or None))
@@ -285,7 +208,7 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   compiled = jax.pmap(step, axis_name="data", donate_argnums=(0, 1)).lower(P, S, x0, y0).compile()
   res.compile_seconds = time.perf_counter() - t0
   hlo = compiled.as_text()
-  method = getattr(comp, "method", None)
+  method = comp.method if isinstance(comp, jaxcomp.CompressionTransformation) else None
   if method is not None and (method.stages or method.start_step):
     # The program holds every stage's collectives (one lax.switch); the bytes and the network
     # model are the steady state's: the last stage compiled alone (the step has no other collectives).
@@ -298,10 +221,8 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   wire = jaxcomp.collective_bytes(hlo)
   res.wire_bytes, res.collectives = wire["total"], wire["count"]
   if method is not None:  # SBC's communication delay: one sync every `delay` steps
-    res.sync_every = max([int(getattr(b.exchange, "delay", 1)) for b in method.buckets(params)] + [1])
-  netsim = _netsim()
-  if netsim is not None:
-    res.traffic = [list(t) for t in netsim.collectives(hlo)]
+    res.sync_every = max([b.exchange.sync_every for b in method.buckets(params)] + [1])
+  res.traffic = [list(t) for t in netsim.collectives(hlo)]
   try:
     res.nominal_bytes = int(jaxcomp.wire_bytes(comp, params, workers=WORKERS))
   except TypeError:
@@ -389,10 +310,6 @@ def _note(r: Result, dense: Optional[Result]) -> str:
   return "; ".join(notes)
 
 
-def _fmt_bytes(b: float) -> str:
-  return f"{b:,.0f}" if b >= 0 else "-"
-
-
 def table(results: List[Result], predicted_cols: List[str]) -> str:
   """The results as a markdown table."""
   dense = next((r for r in results if r.method == "none" and not r.error), None)
@@ -407,21 +324,10 @@ def table(results: List[Result], predicted_cols: List[str]) -> str:
     ratio = f"{dense.wire_bytes * r.sync_every / r.wire_bytes:.1f}x" if dense and r.wire_bytes > 0 else "-"
     speed = f"{r.step_seconds / dense.step_seconds:.2f}" if dense else "-"
     row = [r.method, f"{r.lr:g} ({r.momentum:g})", f"{100 * r.test_accuracy:.1f}", f"{r.final_loss:.4f}",
-           _fmt_bytes(r.wire_bytes), ratio, speed]
+           fmt_bytes(r.wire_bytes), ratio, speed]
     row += [f"{1e3 * r.predicted[c]:.1f}" if c in r.predicted else "-" for c in predicted_cols]
     rows.append(row + [_note(r, dense)])
-  widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
-  line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
-  sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-  return "\n".join([line(head), sep] + [line(r) for r in rows])
-
-
-def _style(i: int) -> Dict[str, Any]:
-  import matplotlib.pyplot as plt
-
-  colors = plt.get_cmap("tab20").colors
-  return {"color": colors[i % len(colors)], "marker": "osD^v<>ph*X"[i % 11],
-          "linestyle": ("-", "--", ":")[(i // len(colors)) % 3]}
+  return markdown_table(head, rows)
 
 
 def _figures(results: List[Result], out: str, steps: int) -> List[str]:
@@ -437,7 +343,7 @@ def _figures(results: List[Result], out: str, steps: int) -> List[str]:
   fig, axes = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw={"width_ratios": [1, 1]})
   for ax, zoom in zip(axes, (False, True), strict=True):
     for i, r in enumerate(ok):
-      st = _style(i)
+      st = style(i)
       ax.scatter(r.wire_bytes, 100 * r.test_accuracy, s=36, color=st["color"], marker=st["marker"],
                  label=r.method, zorder=3)
     if dense:
@@ -464,7 +370,7 @@ def _figures(results: List[Result], out: str, steps: int) -> List[str]:
     v = np.asarray(r.losses, np.float64)
     k = max(1, len(v) // 40)
     smooth = np.convolve(v, np.ones(k) / k, mode="valid") if len(v) >= k else v
-    st = _style(i)
+    st = style(i)
     ax.plot(np.arange(len(smooth)) + k, smooth, lw=1.1, color=st["color"], ls=st["linestyle"],
             label=r.method)
   ax.set_yscale("log")
@@ -489,47 +395,30 @@ def replot(out: str) -> List[str]:
   return _figures(results, out, saved["meta"]["steps"])
 
 
-def main(argv: Optional[Sequence[str]] = None) -> List[Any]:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  task, rest = _task(argv)
-  if task == "lm":  # the transformer task takes the other arguments (jaxcomp.bench.lm)
-    from jaxcomp.bench import lm
-
-    return lm.main(rest)
-  args = _parse(argv)
-  if args.replot:
-    print("wrote " + ", ".join(replot(args.out)))
-    return []
-  import jaxcomp
-
-  jaxcomp.cpu_devices(WORKERS)
+def _intro(args, ds, names, n_params: int, date: str, cmd: str) -> None:
+  """Prints what the run is: data, model, workers, steps, optimizer, machine, methods."""
   import jax
 
-  from jaxcomp.bench import data, model
-
-  methods = dict(jaxcomp.METHODS)
-  names = _select(methods, args.methods)
-  ds = data.load(args.dataset)
-  net = model.CNN()
-  params = model.init_params(net, ds.image_shape, args.seed)
-  n_params = model.num_params(params)
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  cmd = "python -m jaxcomp.bench " + " ".join(sys.argv[1:] if argv is None else argv)
-  print(f"jaxcomp benchmark, {date}: {cmd.strip()}")
+  print(f"jaxcomp benchmark, {date}: {cmd}")
   print(f"{ds.name}: {len(ds.y_train)} train / {len(ds.y_test)} test, images {ds.image_shape};"
         f" CNN with {n_params:,} parameters; {WORKERS} workers (jax.pmap over CPU devices) x"
         f" {PER_WORKER_BATCH} per batch; {args.steps} steps; "
         + (f"SGD lr {args.lr:g} momentum {MOMENTUM:g} (lr scaled for"
            f" {sorted(k for k in LR_SCALE if k in names)}, no momentum for"
            f" {sorted(k for k in MOMENTUM_OVERRIDE if k in names)})" if args.plain else
-           f"each method's jaxcomp.recipe(name, {args.lr:g}) in place of sgd({args.lr:g}, momentum={MOMENTUM:g})")
+           f"each method's jaxcomp.recipe(name, {args.lr:g}) in place of"
+           f" sgd({args.lr:g}, momentum={MOMENTUM:g})")
         + f"; exchange {args.exchange}; seed {args.seed};"
         f" {os.cpu_count()} CPU cores; jax {jax.__version__}")
   print(f"methods ({len(names)}): {', '.join(names)}", flush=True)
 
+
+def _train_all(names, methods, params, ds, args, net) -> List[Result]:
+  """Every method of ``names`` in turn (a failure is recorded in its Result and printed)."""
+  import jaxcomp
+
   results: List[Result] = []
   progress = not args.no_progress
-  t_all = time.perf_counter()
   for name in names:
     if args.plain:
       lr, momentum = args.lr * LR_SCALE.get(name, 1.0), MOMENTUM_OVERRIDE.get(name, MOMENTUM)
@@ -547,24 +436,26 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Any]:
       print(f"{name:>12}: acc {100 * r.test_accuracy:5.1f}%  loss {r.final_loss:.4f}  "
             f"{r.wire_bytes:>9,} B/step  {1e3 * r.step_seconds:6.1f} ms/step  "
             f"(compile {r.compile_seconds:.1f} s)", flush=True)
-  tuned = _tune(names, methods, results, params, ds, args, net, progress) if args.tune else {}
-  total = time.perf_counter() - t_all
+  return results
 
+
+def _predictions(results: List[Result], latency_us: float) -> List[str]:
+  """Fills each result's ``predicted`` step times (against dense); returns the table's columns."""
   dense = next((r for r in results if r.method == "none" and not r.error), None)
-  netsim = _netsim()
-  cols: List[str] = []
-  if netsim is not None and dense is not None:
-    for r in results:
-      if not r.error:
-        try:
-          r.predicted = _predict(netsim, r, dense, args.latency_us * 1e-6)
-        except Exception as e:  # noqa: BLE001 -- a model we do not own must not lose the run
-          print(f"network model failed for {r.method}: {type(e).__name__}: {e}", file=sys.stderr)
-    cols = [f"{n}w@{g}G" for n in NETWORK_WORKERS for g in NETWORK_GBPS
-            if any(f"{n}w@{g}G" in r.predicted for r in results)]
-  md = table(results, cols)
-  print()
-  print(md)
+  if dense is None:
+    return []
+  for r in results:
+    if not r.error:
+      try:
+        r.predicted = predicted_times(r, dense, latency_us * 1e-6)
+      except Exception as e:  # noqa: BLE001 -- a model we do not own must not lose the run
+        print(f"network model failed for {r.method}: {type(e).__name__}: {e}", file=sys.stderr)
+  return [f"{n}w@{g}G" for n in NETWORK_WORKERS for g in NETWORK_GBPS
+          if any(f"{n}w@{g}G" in r.predicted for r in results)]
+
+
+def _notes(args, cols: List[str]) -> List[str]:
+  """The lines under the table: what each column is."""
   notes = [
       "wire B/step: bytes one worker hands to collectives per step, read from the compiled step's HLO"
       " (after a warm-up: the last stage's, compiled alone; with a communication delay: a sync step's);"
@@ -580,37 +471,83 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Any]:
         " step time over dense as compression, its compiled step's collectives as traffic, no overlap.")
   else:
     notes.append("no network model: jaxcomp.netsim is not available, so bytes alone.")
+  return notes
+
+
+def _write(args, meta: dict, results: List[Result], tuned, md: str, notes: List[str], tune_md: str) -> None:
+  """results.json, results.md, tune.md (with --tune) and the figures in ``args.out``; prints their paths."""
+  date, cmd, ds_name = meta["date"], meta["command"], meta["dataset"]
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results],
+               "tune": {m: {f"{k:g}": dataclasses.asdict(r) for k, r in runs.items()}
+                        for m, runs in tuned.items()}}, f, indent=1, allow_nan=True)
+  with open(os.path.join(args.out, "results.md"), "w") as f:
+    f.write(f"{date}: `{cmd}` ({ds_name}, {args.steps} steps, {WORKERS} workers,"
+            f" {os.cpu_count()} CPU cores, jax {meta['jax']})\n\n{md}\n\n" + "\n".join(notes) + "\n")
+  written = [os.path.join(args.out, f) for f in ("results.json", "results.md")]
+  if tune_md:
+    with open(os.path.join(args.out, "tune.md"), "w") as f:
+      f.write(f"{date}: `{cmd}` ({ds_name}, {args.steps} steps)\n\n{tune_md}\n")
+    written.append(os.path.join(args.out, "tune.md"))
+  written += _figures(results, args.out, args.steps)
+  print(f"wrote {', '.join(written)}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[Any]:
+  """The CNN benchmark (``--task lm``, the transformer, is dispatched by :mod:`jaxcomp.bench.__main__`)."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = _parse(argv)
+  if args.task != "cnn":
+    raise SystemExit(f"--task {args.task}: run python -m jaxcomp.bench --task {args.task}"
+                     f" (jaxcomp.bench.{args.task}.main)")
+  if args.replot:
+    print("wrote " + ", ".join(replot(args.out)))
+    return []
+  import jaxcomp
+
+  jaxcomp.cpu_devices(WORKERS)
+  import jax
+
+  from jaxcomp.bench import data, model
+
+  methods = dict(jaxcomp.METHODS)
+  names = _select(methods, args.methods)
+  ds = data.load(args.dataset)
+  net = model.CNN()
+  params = model.init_params(net, ds.image_shape, args.seed)
+  n_params = model.num_params(params)
+  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  cmd = ("python -m jaxcomp.bench " + " ".join(argv)).strip()
+  _intro(args, ds, names, n_params, date, cmd)
+
+  t_all = time.perf_counter()
+  results = _train_all(names, methods, params, ds, args, net)
+  tuned = _tune(names, methods, results, params, ds, args, net, not args.no_progress) if args.tune else {}
+  total = time.perf_counter() - t_all
+
+  cols = _predictions(results, args.latency_us)
+  md = table(results, cols)
+  print()
+  print(md)
+  notes = _notes(args, cols)
   print("\n" + "\n".join(notes))
   tune_md = tune_table(results, tuned) if tuned else ""
   if tune_md:
     print("\n" + tune_md)
   print(f"\ntotal {total:.0f} s")
 
-  os.makedirs(args.out, exist_ok=True)
   meta = {
-      "date": date, "command": cmd.strip(), "dataset": ds.name, "train": len(ds.y_train),
+      "date": date, "command": cmd, "dataset": ds.name, "train": len(ds.y_train),
       "test": len(ds.y_test), "params": n_params, "workers": WORKERS,
       "per_worker_batch": PER_WORKER_BATCH, "steps": args.steps, "seed": args.seed,
       "base_lr": args.lr, "lr_scale": LR_SCALE, "momentum": MOMENTUM,
       "momentum_override": MOMENTUM_OVERRIDE, "optimizer": "sgd(lr, momentum)",
       "jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-      "machine": platform.machine(), "total_seconds": total, "netsim": netsim is not None,
+      "machine": platform.machine(), "total_seconds": total, "netsim": True,
       "latency_us": args.latency_us,
   }
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results],
-               "tune": {m: {f"{k:g}": dataclasses.asdict(r) for k, r in runs.items()}
-                        for m, runs in tuned.items()}}, f, indent=1, allow_nan=True)
-  with open(os.path.join(args.out, "results.md"), "w") as f:
-    f.write(f"{date}: `{cmd.strip()}` ({ds.name}, {args.steps} steps, {WORKERS} workers,"
-            f" {os.cpu_count()} CPU cores, jax {jax.__version__})\n\n{md}\n\n" + "\n".join(notes) + "\n")
-  written = [os.path.join(args.out, f) for f in ("results.json", "results.md")]
-  if tune_md:
-    with open(os.path.join(args.out, "tune.md"), "w") as f:
-      f.write(f"{date}: `{cmd.strip()}` ({ds.name}, {args.steps} steps)\n\n{tune_md}\n")
-    written.append(os.path.join(args.out, "tune.md"))
-  written += _figures(results, args.out, args.steps)
-  print(f"wrote {', '.join(written)}")
+  _write(args, meta, results, tuned, md, notes, tune_md)
   return results
 
 

@@ -5,7 +5,7 @@ For ResNet-50- and BERT-base-shaped gradients on 8 nodes x 8 devices
 communication time per step of: the dense all-reduce (hierarchical, as NCCL
 runs it), the method compressing over all 64 workers (flat), and the method
 with ``dense_axis_name`` (:mod:`jaxcomp.hierarchy`: dense inside the node,
-the method's chunk payload between nodes), priced by :mod:`jaxcomp.netsim`
+the method's chunk payload between nodes), priced by :mod:`jaxcomp.bench.netsim`
 (:meth:`Network.collective` and :func:`netsim.hierarchical_time`) from each
 method's nominal bytes per bucket (``bucket_wire_bytes``, which equal the
 compiled programs' bytes: README, network table). The step speed-up adds
@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 
+from jaxcomp.bench import netsim
+from jaxcomp.bench.common import COMPUTE, LABELS
+
 DEFAULT_METHODS = ("none", "fp16", "powersgd", "acpsgd", "topk", "signsgd", "qsgd", "dgc")
 NODES, PER_NODE = 8, 8
 INTRA_GBPS = 2400.0  # NVLink-class: 300 GB/s per GPU (V100 NVLink 2.0 aggregate)
@@ -25,12 +28,7 @@ LATENCY_US = 10.0
 
 
 def _kind(exchange) -> str:
-  from jaxcomp.transforms.lowrank import PowerSGDExchange
-
-  codec = getattr(exchange, "codec", None)
-  if codec is not None:
-    return "all-reduce" if codec.linear else "all-gather"
-  return "all-reduce" if isinstance(exchange, PowerSGDExchange) else "all-gather"
+  return "all-reduce" if exchange.all_reduces else "all-gather"
 
 
 def traffic(tx, params, per_node: int):
@@ -55,16 +53,14 @@ def traffic(tx, params, per_node: int):
 def table(models=("resnet50", "bert-base"), methods=DEFAULT_METHODS, gbps=GBPS, nodes=NODES,
           per_node=PER_NODE, intra_gbps=INTRA_GBPS, latency_us=LATENCY_US) -> str:
   import jaxcomp
-  from jaxcomp import netsim
-  from jaxcomp.bench import network
   from jaxcomp.bench import shapes as shp
 
   lines = []
   for model in models:
     params = shp.abstract(shp.MODELS[model]())
-    compute = network.COMPUTE[model][0]
+    compute = COMPUTE[model][0]
     head = ["method"] + [f"{g:g}G: {c}" for g in gbps for c in ("dense", "flat", "2-level", "x dense")]
-    lines += [f"{network.LABELS[model]}, {nodes} nodes x {per_node} devices, {intra_gbps:g} Gb/s inside a"
+    lines += [f"{LABELS[model]}, {nodes} nodes x {per_node} devices, {intra_gbps:g} Gb/s inside a"
               f" node, alpha {latency_us:g} us; communication ms per step (dense: hierarchical all-reduce;"
               " flat: the method over all workers; 2-level: dense_axis_name), x dense: predicted step"
               f" speed-up of 2-level over dense ({1e3 * compute:.0f} ms compute, no overlap)", "",

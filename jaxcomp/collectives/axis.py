@@ -28,7 +28,9 @@ def axis_names(axis_name: AxisName) -> tuple:
 
 
 def check_axis_name(axis_name: AxisName, arg: str = "axis_name") -> AxisName:
-  """Validates ``axis_name`` at construction: None, a hashable, or a tuple of them (``arg``: its argument's name)."""
+  """Validates ``axis_name`` at construction: None, a hashable, or a tuple of them
+  (``arg``: its argument's name).
+  """
   if axis_name is None:
     return None
   if isinstance(axis_name, list):

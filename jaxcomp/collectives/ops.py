@@ -10,6 +10,9 @@ as what it is: the same on every worker.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -21,6 +24,33 @@ try:  # JAX >= 0.6: Varying -> Invariant gather; not yet exported from jax.lax.
   from jax._src.lax.parallel import all_gather_invariant as _gather_invariant
 except ImportError:  # pragma: no cover - older or newer JAX without it
   _gather_invariant = None
+
+_PLAIN_GATHER = contextvars.ContextVar("jaxcomp_plain_gather", default=False)
+
+
+@contextlib.contextmanager
+def plain_gather() -> Iterator[None]:
+  """Within the block, :func:`allgather` and :func:`allgather_tiled` trace the plain ``lax.all_gather``.
+
+  For measurements that run an exchange under ``jax.vmap`` with a named axis
+  (``python -m jaxcomp.bench network`` times the decoding of gathered payloads
+  that way): the invariant all-gather has no vmap rule. Value-wise the two
+  gathers agree; only the typing under ``shard_map(check_vma=True)`` differs,
+  so a step traced here may not return the decoded mean with
+  ``out_specs=P()``. It is a trace-time setting: what matters is where a
+  function is traced (compiled), not where it is called. Outside the block
+  (the library's normal use) nothing changes.
+  """
+  token = _PLAIN_GATHER.set(True)
+  try:
+    yield
+  finally:
+    _PLAIN_GATHER.reset(token)
+
+
+def _invariant_gather():
+  """The invariant all-gather, or None where this JAX lacks it or inside :func:`plain_gather`."""
+  return None if _PLAIN_GATHER.get() else _gather_invariant
 
 
 def allreduce_sum(tree: Any, axis: Axis) -> Any:
@@ -34,8 +64,9 @@ def allgather(tree: Any, axis: Axis) -> Any:
   """Every worker's leaves stacked on a new leading axis of size ``axis.size``."""
   if axis.name is None:
     return jax.tree.map(lambda x: x[None], tree)
-  if _gather_invariant is not None:
-    return _gather_invariant(tree, axis.name)
+  gather = _invariant_gather()
+  if gather is not None:
+    return gather(tree, axis.name)
   return lax.all_gather(tree, axis.name)
 
 
@@ -43,8 +74,9 @@ def allgather_tiled(x: jax.Array, axis: Axis) -> jax.Array:
   """Every worker's ``x`` concatenated on axis 0 (typed invariant where this JAX can)."""
   if axis.name is None:
     return x
-  if _gather_invariant is not None:
-    return _gather_invariant(x, axis.name, axis=0, tiled=True)
+  gather = _invariant_gather()
+  if gather is not None:
+    return gather(x, axis.name, axis=0, tiled=True)
   return lax.all_gather(x, axis.name, axis=0, tiled=True)
 
 

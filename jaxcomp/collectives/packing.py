@@ -92,7 +92,9 @@ def to_bytes(payload) -> jnp.ndarray:
 
 
 def from_bytes(buffers: jnp.ndarray, like):
-  """Inverse of :func:`to_bytes` over a leading axis: ``(N, bytes)`` -> the payload with leaves ``(N, ...)``."""
+  """Inverse of :func:`to_bytes` over a leading axis: ``(N, bytes)`` -> the payload
+  with leaves ``(N, ...)``.
+  """
   leaves, treedef = jax.tree.flatten(like)
   out, at = [], 0
   lead = buffers.shape[:-1]

@@ -1,4 +1,40 @@
-"""ACP-SGD: alternate compressed PowerSGD, one fused all-reduce per step."""
+"""ACP-SGD: alternate compressed PowerSGD, one fused all-reduce per step.
+
+:func:`acpsgd` views each leaf of rank >= 2 as a matrix M (``lowrank.matrix_view``:
+``(prod(shape[:-1]), shape[-1])``) with r = min(rank, rows, cols), and is
+compressed when ``(rows + cols) * r * min_compression_rate < rows * cols``
+(PowerSGD's rule); other leaves travel uncompressed. With the residual E:
+
+- P-steps: ``Q <- orthogonalize(Q)`` (Q is the last all-reduced Q, the same
+  on every worker: no communication), ``P = (M + E) Q``,
+  ``E <- (M + E) - P Q^T`` with the local P, all-reduce-mean P, output
+  ``P Q^T``; P is kept.
+- Q-steps mirror it: ``P <- orthogonalize(P)``, ``Q = (M + E)^T P``,
+  ``E <- (M + E) - P Q^T``, all-reduce-mean Q, output ``P Q^T``; Q is kept.
+
+The power iteration is thus spread over steps (a warm start by
+construction) and each step moves one factor per matrix. The factors of all
+matrices and the uncompressed leaves are packed into one float32 buffer and
+all-reduced by a single psum per step, or one per bucket of about
+``bucket_bytes`` (tensor fusion, in leaf order). Which step is a P-step
+comes from the state's ``phase`` (the step count modulo 2^32, which wraps
+where ``count`` saturates), so a restored checkpoint continues the
+alternation, and it never stops. A static buffer must fit both kinds of step: with
+``balance_phases`` (default) some matrices start with a Q-step (the
+algorithm per matrix is unchanged, shifted by one step), chosen so that
+P-steps and Q-steps send nearly the same number of values; the buffer is
+then about half of PowerSGD's two all-reduces. Without it every matrix
+alternates together as in the paper, and the buffer holds
+``max(sum of P sizes, sum of Q sizes)``. Initial P and Q come from ``seed``,
+identical on every worker; ``state.extra`` holds, per bucket of the
+builder, the ``(P, Q)`` of each group of same-view leaves
+(:func:`jaxcomp.protocol.groups`; ``()`` for a group of uncompressed leaves).
+
+Orthogonalization adds no epsilon (:func:`jaxcomp.transforms.lowrank.orthogonalize`):
+the output is proportional to the gradient at any scale. A factor column
+that comes back all zero (the matrix and its residual were zero) keeps its
+previous value, so the matrix is sent again once it is not zero.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +46,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp.builder import build
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import DENSE, Ctx, Exchange, FusedExchange, Memory, Method, build
+from jaxcomp.method import Method
+from jaxcomp.protocol import DENSE, Ctx, FusedExchange, GroupExchange, Memory
 from jaxcomp.transforms import _args
-from jaxcomp.transforms.lowrank import keep_nonzero_columns, matrix_view, orthogonalize
+from jaxcomp.transforms.lowrank import compression_rate, keep_nonzero_columns, matrix_route, orthogonalize
 
 
 @dataclasses.dataclass(frozen=True)
-class ACPFactors(Exchange):
+class ACPFactors(GroupExchange):
   """A group of same-view matrices compressed by ACP-SGD; its state is ``(P, Q)``.
 
   ``P`` is ``(G, a, r)``, ``Q`` is ``(G, b, r)``: the last all-reduced value of
@@ -250,40 +288,11 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
            min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """ACP-SGD: PowerSGD's two factors sent on alternate steps, all layers in one all-reduce.
 
-  Each leaf of rank >= 2 is viewed as a matrix M (``lowrank.matrix_view``:
-  ``(prod(shape[:-1]), shape[-1])``) with r = min(rank, rows, cols), and is
-  compressed when ``(rows + cols) * r * min_compression_rate < rows * cols``
-  (PowerSGD's rule); other leaves travel uncompressed. With the residual E:
-
-  - P-steps: ``Q <- orthogonalize(Q)`` (Q is the last all-reduced Q, the same
-    on every worker: no communication), ``P = (M + E) Q``,
-    ``E <- (M + E) - P Q^T`` with the local P, all-reduce-mean P, output
-    ``P Q^T``; P is kept.
-  - Q-steps mirror it: ``P <- orthogonalize(P)``, ``Q = (M + E)^T P``,
-    ``E <- (M + E) - P Q^T``, all-reduce-mean Q, output ``P Q^T``; Q is kept.
-
-  The power iteration is thus spread over steps (a warm start by
-  construction) and each step moves one factor per matrix. The factors of all
-  matrices and the uncompressed leaves are packed into one float32 buffer and
-  all-reduced by a single psum per step, or one per bucket of about
-  ``bucket_bytes`` (tensor fusion, in leaf order). Which step is a P-step
-  comes from the state's ``phase`` (the step count modulo 2^32, which wraps
-  where ``count`` saturates), so a restored checkpoint continues the
-  alternation, and it never stops. A static buffer must fit both kinds of step: with
-  ``balance_phases`` (default) some matrices start with a Q-step (the
-  algorithm per matrix is unchanged, shifted by one step), chosen so that
-  P-steps and Q-steps send nearly the same number of values; the buffer is
-  then about half of PowerSGD's two all-reduces. Without it every matrix
-  alternates together as in the paper, and the buffer holds
-  ``max(sum of P sizes, sum of Q sizes)``. Initial P and Q come from ``seed``,
-  identical on every worker; ``state.extra`` holds, per bucket of the
-  builder, the ``(P, Q)`` of each group of same-view leaves
-  (:func:`jaxcomp.core.groups`; ``()`` for a group of uncompressed leaves).
-
-  Orthogonalization adds no epsilon (:func:`jaxcomp.transforms.lowrank.orthogonalize`):
-  the output is proportional to the gradient at any scale. A factor column
-  that comes back all zero (the matrix and its residual were zero) keeps its
-  previous value, so the matrix is sent again once it is not zero.
+  Each compressed matrix sends its P factor on one step and its Q factor on
+  the next (a power iteration spread over steps); the factors of all
+  matrices and the uncompressed leaves travel in one psum per step (or per
+  fusion bucket). The algorithm, the phases and the state are described in
+  :mod:`jaxcomp.transforms.acpsgd`.
 
   Args:
     rank: r >= 1 (the paper uses PowerSGD's ranks; 4 here).
@@ -303,31 +312,28 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
       uncompressed in the fused buffers.
     exchange: ``"gather"`` only: its factors are all-reduced already; ``"scatter"`` raises.
 
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxcomp
+    >>> params = {"w": jnp.zeros((256, 64))}
+    >>> tx = jaxcomp.acpsgd(rank=2)  # axis_name=None: one worker, a local round trip
+    >>> jaxcomp.wire_bytes(tx, params)  # a step sends P (256 x 2) or Q (64 x 2), sized for the larger
+    2048
+
   References:
     Zhang, Zhang, Shi, Chu & Li, *Evaluation and Optimization of Gradient
     Compression for Distributed Deep Learning*, ICDCS 2023, arXiv:2306.08881
     (ACP-SGD); Vogels, Karimireddy & Jaggi, *PowerSGD*, NeurIPS 2019.
   """
   r = _args.integer("rank", rank, 1)
-  rate = _args.positive("min_compression_rate", min_compression_rate)
-  if rate < 1:
-    raise ValueError(f"min_compression_rate must be >= 1, got min_compression_rate={min_compression_rate!r}")
+  rate = compression_rate(min_compression_rate)
   if bucket_bytes is not None:
     bucket_bytes = _args.integer("bucket_bytes", bucket_bytes, 1)
   balance = _args.flag("balance_phases", balance_phases)
-  lowrank = ACPFactors(r)
-
-  def route(shape):
-    n = int(np.prod(shape, dtype=np.int64))
-    if len(shape) >= 2:
-      a, b = matrix_view(shape)
-      if (a + b) * min(r, a, b) * rate < a * b:
-        return lowrank, (a, b)
-    return DENSE, (n,)
-
-  method = Method("acpsgd", route, Memory(), fused=ACPFusion(bucket_bytes, balance))
+  fused = ACPFusion(bucket_bytes, balance)
+  method = Method("acpsgd", matrix_route(ACPFactors(r), r, rate), Memory(), fused=fused)
   return build(method, axis_name, seed, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-  exchange=exchange)
+               exchange=exchange)
 
 
 def phases(tx, params) -> Sequence[tuple[int, int]]:

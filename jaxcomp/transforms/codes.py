@@ -5,6 +5,67 @@ quantiles, bucket means and INCEPTIONN's byte stream (capacity and rotation)
 are per segment (:class:`jaxcomp.layout.Segments`), computed for all segments
 at once; the codes of all leaves of a bucket are packed together, each leaf's
 padded to a multiple of 128 entries (the segments' block).
+
+INCEPTIONN (:func:`inceptionn`): gradients are mostly small, so most values need few bits for a fixed
+error. With ``2**k`` the largest power of two <= ``2 * bound``, each value
+is rounded to the grid ``q * 2**k`` (error <= ``bound``): tag 0 when
+``q = 0`` (nothing sent), tag 1 when ``q < 2**7`` (one byte: sign + 7
+bits), tag 2 when ``q < 2**15`` (two bytes: sign + 15 bits), and tag 3
+otherwise, Inf and NaN included (the four bytes of the float32, exact).
+Tags are packed 4 per byte. This follows the paper's scheme (values of
+magnitude >= 1 uncompressed, the rest as truncated fixed point by exponent
+range, small ones dropped; recalled, not checked against its equations)
+with round-to-nearest instead of truncation, which halves the error for
+the same widths, and a 16-bit range that extends past 1 instead of sending
+every value >= 1 raw.
+
+The bound is relative by default: ``bound = relative_bound * m`` per leaf
+and step, ``m`` the leaf's largest finite ``|x|`` (on this worker), with
+``relative_bound = 2**-10`` (the paper's number, with the leaf's largest
+value as the unit): the grid step is ``m / 512`` (``2**k * m`` with
+``2**k`` the largest power of two <= ``2 * relative_bound``), so, whatever
+the gradients' scale, values below ``m / 1024`` send 0 bits, below about
+``m / 4`` 8 bits, the others (up to ``m``) 16 bits, and none is sent raw
+except Inf and NaN. The output for ``c * g`` is ``c`` times the output for
+``g``: bit for bit at a power-of-two ``c``, and at any other ``c`` but where
+a value sits within float rounding of a rounding boundary (a grid whose
+step were a power of two would move inside its binade with ``c``, and with
+it which values take 8 or 16 bits and which fit in the stream). The step
+travels as the first 4 bytes of each leaf's stream (float32, inside its
+capacity, so the wire bytes do not change). The transformer of the main
+job's lm task trains to 1.630 with it (AdamW recipe, 300 steps; dense
+1.626, the absolute ``2**-10`` 1.640, ``relative_bound=2**-9`` 1.646). A
+standard normal leaf needs more than the default capacity of 1 byte per
+value (4096 entries: 1.33, 65536: 1.29; the rest waits in the residual);
+``relative_bound=2**-9`` puts the 8-bit range at half the largest value
+and fits it (1.05, 1.03); heavy-tailed gradients (a largest value far
+above the others) need less. The paper's and GRACE's absolute bound is one
+argument away, ``inceptionn(error_bound=2**-10)``: below ``2**-10`` -> 0
+bits, below 0.249 -> 8 bits, below 64 -> 16 bits, which rounds every value
+of gradients of 1e-4 per entry to 0 and overflows the stream at 1e3.
+
+Static shapes: XLA cannot send a variable number of bytes, so the sent
+widths go into one byte stream of fixed capacity ``ceil(capacity * n)``
+bytes per leaf (at least 1; with the relative bound at least the step's 4
+bytes and the largest value's width: 6 bytes at the default), entries in
+order, and the tags alone say where each value sits (no count needed).
+Entries that would overrun the stream are sent as tag 0 and stay in the
+error-feedback residual. The order starts at a position that changes
+every step (drawn from a key shared by all workers, so no offset travels),
+so no part of a leaf is starved when the stream is full. The wire
+therefore carries exactly ``ceil(n / 4) + ceil(capacity * n)`` bytes per
+leaf (``n`` padded to a multiple of 128 for the tags), whatever the
+values: at the default ``capacity=1.0`` 10 bits per element, 3.2x smaller
+than float32. The trade-off: a capacity of ``c`` bytes per value never
+overflows while the mean width is <= ``c``; ``capacity=2.0`` holds every
+value of the relative bound (18 bits per element; values below 64 at the
+absolute ``2**-10``); ``capacity=4.0`` can never overflow but costs more
+than float32. A variable-length protocol (the paper's NIC hardware) would
+send only the used bytes; here the unused tail of the stream is zeros and
+still crosses the wire.
+
+Payloads are all-gathered (the code does not add); each worker decodes and
+averages them.
 """
 
 from __future__ import annotations
@@ -17,11 +78,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp import rng
+from jaxcomp.builder import build
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
+from jaxcomp.kernels import compaction, rng
 from jaxcomp.layout import Segments
+from jaxcomp.method import Method
+from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.transforms import _args
 
 
@@ -35,14 +98,6 @@ def field_bits(values: int) -> int:
 
 # ----------------------------------------------------------------------------
 # SketchML
-
-
-def _below(key: jax.Array, n, shape) -> jax.Array:
-  """Uniform ints in ``[0, n)`` (int32) from 32 hashed bits (:mod:`jaxcomp.rng`); modulo bias < n / 2**32.
-
-  ``n``: an int, or an array of them broadcasting against ``shape``.
-  """
-  return (rng.bits(key, shape) % jnp.asarray(n, jnp.uint32)).astype(jnp.int32)
 
 
 def sample_width(segs: Segments, sample_size: int) -> int:
@@ -63,7 +118,7 @@ def sample_positions(key: jax.Array, segs: Segments, sample_size: int) -> jax.Ar
   col = lax.broadcasted_iota(jnp.int32, (segs.count, width), 1)
   local = jnp.where(col < jnp.asarray(np.minimum(n, width), jnp.int32), col, 0)
   if np.any(n > sample_size):
-    drawn = _below(key, n.astype(np.uint32), (segs.count, width))
+    drawn = rng.below(key, n.astype(np.uint32), (segs.count, width))
     local = jnp.where(jnp.asarray(n > sample_size), drawn, local)
   return jnp.asarray(segs.offsets, jnp.int32)[:, None] + local
 
@@ -213,30 +268,6 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = 
 _WIDTHS = (0, 1, 2, 4)  # bytes in the stream for tags 0, 1, 2, 3
 
 
-def _cumsum(w: jax.Array, block: int = 64, small: bool = True) -> jax.Array:
-  """Inclusive prefix sum of non-negative int32 (the widths, <= 4; the total below 2^31).
-
-  Within rows of ``block`` entries by a triangular matmul (in float32 when
-  ``small``: exact for row sums <= 256; else in int32), then the same on the
-  row totals, recursively. On XLA CPU this runs faster than ``jnp.cumsum`` (a
-  reduce_window) and compiles several times faster than it or
-  ``lax.associative_scan``.
-  """
-  n = w.shape[0]
-  rows = -(-n // block)
-  r = jnp.pad(w, (0, rows * block - n)).reshape(rows, block)
-  if small:
-    tri = jnp.triu(jnp.ones((block, block), jnp.float32))
-    within = jnp.dot(r.astype(jnp.float32), tri, precision=lax.Precision.HIGHEST).astype(jnp.int32)
-  else:
-    within = jnp.dot(r, jnp.triu(jnp.ones((block, block), jnp.int32)), preferred_element_type=jnp.int32)
-  if rows == 1:
-    return within.reshape(-1)[:n]
-  totals = within[:, -1]
-  before = _cumsum(totals, block, small=False) - totals
-  return (within + before[:, None]).reshape(-1)[:n]
-
-
 def _spread(segs: Segments, *values: jax.Array):
   """:meth:`Segments.spread` of several (S,) vectors of one dtype with one gather."""
   if segs.count == 1:
@@ -311,7 +342,7 @@ class InceptionnCodec(Codec):
 
   def shift(self, key: jax.Array, segs: Segments) -> jax.Array:
     """The entry of each segment that goes first in its stream (int32 (S,))."""
-    return _below(key, np.asarray(segs.sizes, np.uint32), (segs.count,))
+    return rng.below(key, np.asarray(segs.sizes, np.uint32), (segs.count,))
 
   def _ends(self, width: jax.Array, key: jax.Array, segs: Segments):
     """Where each entry's bytes end in the bucket's streams, and where its segment's stream ends.
@@ -320,7 +351,7 @@ class InceptionnCodec(Codec):
     end, then its start): the end is the inclusive prefix sum of the widths in
     that order, plus where the segment's stream starts.
     """
-    cum = _cumsum(width)
+    cum = compaction.prefix_sum(width)
     # Each segment's total and what the segments before it hold, from the
     # bucket-wide prefix sum (padding entries have width 0).
     ends = np.asarray(segs.offsets, np.int64) + np.asarray(segs.padded_sizes, np.int64)
@@ -397,66 +428,11 @@ def inceptionn(error_bound: float | None = None, capacity: float = 1.0, axis_nam
                relative_bound: float | None = None):
   """INCEPTIONN's lossy code: a 2-bit tag per value choosing 0, 8, 16 or 32 bits.
 
-  Gradients are mostly small, so most values need few bits for a fixed
-  error. With ``2**k`` the largest power of two <= ``2 * bound``, each value
-  is rounded to the grid ``q * 2**k`` (error <= ``bound``): tag 0 when
-  ``q = 0`` (nothing sent), tag 1 when ``q < 2**7`` (one byte: sign + 7
-  bits), tag 2 when ``q < 2**15`` (two bytes: sign + 15 bits), and tag 3
-  otherwise, Inf and NaN included (the four bytes of the float32, exact).
-  Tags are packed 4 per byte. This follows the paper's scheme (values of
-  magnitude >= 1 uncompressed, the rest as truncated fixed point by exponent
-  range, small ones dropped; recalled, not checked against its equations)
-  with round-to-nearest instead of truncation, which halves the error for
-  the same widths, and a 16-bit range that extends past 1 instead of sending
-  every value >= 1 raw.
-
-  The bound is relative by default: ``bound = relative_bound * m`` per leaf
-  and step, ``m`` the leaf's largest finite ``|x|`` (on this worker), with
-  ``relative_bound = 2**-10`` (the paper's number, with the leaf's largest
-  value as the unit): the grid step is ``m / 512`` (``2**k * m`` with
-  ``2**k`` the largest power of two <= ``2 * relative_bound``), so, whatever
-  the gradients' scale, values below ``m / 1024`` send 0 bits, below about
-  ``m / 4`` 8 bits, the others (up to ``m``) 16 bits, and none is sent raw
-  except Inf and NaN. The output for ``c * g`` is ``c`` times the output for
-  ``g``: bit for bit at a power-of-two ``c``, and at any other ``c`` but where
-  a value sits within float rounding of a rounding boundary (a grid whose
-  step were a power of two would move inside its binade with ``c``, and with
-  it which values take 8 or 16 bits and which fit in the stream). The step
-  travels as the first 4 bytes of each leaf's stream (float32, inside its
-  capacity, so the wire bytes do not change). The transformer of the main
-  job's lm task trains to 1.630 with it (AdamW recipe, 300 steps; dense
-  1.626, the absolute ``2**-10`` 1.640, ``relative_bound=2**-9`` 1.646). A
-  standard normal leaf needs more than the default capacity of 1 byte per
-  value (4096 entries: 1.33, 65536: 1.29; the rest waits in the residual);
-  ``relative_bound=2**-9`` puts the 8-bit range at half the largest value
-  and fits it (1.05, 1.03); heavy-tailed gradients (a largest value far
-  above the others) need less. The paper's and GRACE's absolute bound is one
-  argument away, ``inceptionn(error_bound=2**-10)``: below ``2**-10`` -> 0
-  bits, below 0.249 -> 8 bits, below 64 -> 16 bits, which rounds every value
-  of gradients of 1e-4 per entry to 0 and overflows the stream at 1e3.
-
-  Static shapes: XLA cannot send a variable number of bytes, so the sent
-  widths go into one byte stream of fixed capacity ``ceil(capacity * n)``
-  bytes per leaf (at least 1; with the relative bound at least the step's 4
-  bytes and the largest value's width: 6 bytes at the default), entries in
-  order, and the tags alone say where each value sits (no count needed).
-  Entries that would overrun the stream are sent as tag 0 and stay in the
-  error-feedback residual. The order starts at a position that changes
-  every step (drawn from a key shared by all workers, so no offset travels),
-  so no part of a leaf is starved when the stream is full. The wire
-  therefore carries exactly ``ceil(n / 4) + ceil(capacity * n)`` bytes per
-  leaf (``n`` padded to a multiple of 128 for the tags), whatever the
-  values: at the default ``capacity=1.0`` 10 bits per element, 3.2x smaller
-  than float32. The trade-off: a capacity of ``c`` bytes per value never
-  overflows while the mean width is <= ``c``; ``capacity=2.0`` holds every
-  value of the relative bound (18 bits per element; values below 64 at the
-  absolute ``2**-10``); ``capacity=4.0`` can never overflow but costs more
-  than float32. A variable-length protocol (the paper's NIC hardware) would
-  send only the used bytes; here the unused tail of the stream is zeros and
-  still crosses the wire.
-
-  Payloads are all-gathered (the code does not add); each worker decodes and
-  averages them.
+  Each value is rounded to a grid and sent in 0, 8, 16 or 32 bits, into a
+  byte stream of fixed capacity per leaf; the bound is relative to each
+  leaf's largest value by default (scale-equivariant). The code, the
+  relative bound, the stream and its capacity are described in
+  :mod:`jaxcomp.transforms.codes`.
 
   Args:
     error_bound: an absolute error bound per value, in [2**-127, 2**14]; give
@@ -479,26 +455,21 @@ def inceptionn(error_bound: float | None = None, capacity: float = 1.0, axis_nam
       not given). Steps below 2**-126 or above 2**125 are clipped there
       (leaves whose largest value is below about 1e-36).
 
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxcomp
+    >>> params = {"w": jnp.zeros((256, 64))}
+    >>> tx = jaxcomp.inceptionn()  # axis_name=None: one worker, a local round trip
+    >>> jaxcomp.wire_bytes(tx, params)  # 2-bit tags and a stream of 1 byte per value
+    20480
+
   References:
     Li, Park, Alian, Yuan, Qu, Pan, Wang, Schwing, Esmaeilzadeh, Kim, *A
     Network-Centric Hardware/Algorithm Co-Design to Accelerate Distributed
     Training of Deep Neural Networks* (INCEPTIONN), MICRO 2018: the lossy
     compression algorithm for floating-point gradients.
   """
-  if error_bound is not None and relative_bound is not None:
-    raise ValueError(f"inceptionn: give error_bound (absolute) or relative_bound (a fraction of each leaf's"
-                     f" largest value), not both; got error_bound={error_bound!r},"
-                     f" relative_bound={relative_bound!r}")
-  if error_bound is None:
-    rb = _args.positive("relative_bound", RELATIVE_BOUND if relative_bound is None else relative_bound)
-    if not 2.0 ** -23 <= rb <= 0.5:
-      raise ValueError(f"relative_bound must be in [2**-23, 0.5], got relative_bound={relative_bound!r}")
-    lsb, relative = lsb_exponent(rb), True
-  else:
-    eb = _args.positive("error_bound", error_bound)
-    if not 2.0 ** -127 <= eb <= 2.0 ** 14:
-      raise ValueError(f"error_bound must be in [2**-127, 2**14], got error_bound={error_bound!r}")
-    lsb, relative = lsb_exponent(eb), False
+  lsb, relative = _grid(error_bound, relative_bound)
   cap = _args.positive("capacity", capacity)
   if cap > 4.0:
     raise ValueError(f"capacity must be in (0, 4] bytes per value, got capacity={capacity!r}")
@@ -507,3 +478,20 @@ def inceptionn(error_bound: float | None = None, capacity: float = 1.0, axis_nam
   return build(Method("inceptionn", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
                exchange=exchange)
+
+
+def _grid(error_bound, relative_bound) -> tuple:
+  """inceptionn's bound, checked: ``(lsb, relative)``, the grid step's exponent and whether it is relative."""
+  if error_bound is not None and relative_bound is not None:
+    raise ValueError(f"inceptionn: give error_bound (absolute) or relative_bound (a fraction of each leaf's"
+                     f" largest value), not both; got error_bound={error_bound!r},"
+                     f" relative_bound={relative_bound!r}")
+  if error_bound is None:
+    rb = _args.positive("relative_bound", RELATIVE_BOUND if relative_bound is None else relative_bound)
+    if not 2.0 ** -23 <= rb <= 0.5:
+      raise ValueError(f"relative_bound must be in [2**-23, 0.5], got relative_bound={relative_bound!r}")
+    return lsb_exponent(rb), True
+  eb = _args.positive("error_bound", error_bound)
+  if not 2.0 ** -127 <= eb <= 2.0 ** 14:
+    raise ValueError(f"error_bound must be in [2**-127, 2**14], got error_bound={error_bound!r}")
+  return lsb_exponent(eb), False

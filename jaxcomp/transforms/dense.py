@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp.builder import build
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.transforms import _args
-from jaxcomp.core import DENSE, Codec, CodecExchange, Ctx, Memory, Method, build, flat_route
 from jaxcomp.layout import Segments
+from jaxcomp.method import Method
+from jaxcomp.protocol import DENSE, Codec, CodecExchange, Ctx, Memory, flat_route
+from jaxcomp.transforms import _args
 
 
 def none(axis_name: AxisName = None, bucket_bytes: int | None = None, dense_axis_name: AxisName = None,
@@ -89,7 +91,6 @@ class ScaledCastExchange(CodecExchange):
   psum (``carries_nonfinite``).
   """
 
-  psums = True  # all-reduces only (scatter.traffic)
 
   @staticmethod
   def scale_exponent(b: jax.Array) -> jax.Array:
@@ -108,7 +109,7 @@ class ScaledCastExchange(CodecExchange):
     mean = self.codec.decode(ops.allreduce_sum(payload, ctx.axis), ctx.key, segs) * down
     return mean, local, extra
 
-  def bucket_wire_bytes(self, segs):
+  def bucket_wire_bytes(self, segs, workers=None):
     """The 16-bit payload plus the int32 exponent of each segment (its all-reduce)."""
     return super().bucket_wire_bytes(segs) + 4 * segs.count
 

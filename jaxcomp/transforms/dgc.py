@@ -1,20 +1,70 @@
-"""Deep Gradient Compression: sampled-threshold sparsification with momentum correction."""
+"""Deep Gradient Compression: sampled-threshold sparsification with momentum correction.
+
+The defaults of :func:`dgc` are the paper's method with three of its four parts on:
+momentum correction, momentum factor masking and a warm-up of the sparsity
+(in steps, since an epoch's length is not known here). Local gradient
+clipping is off by default (``clip_norm=None``): the paper clips at the
+model's own global clipping threshold, a setting of the model, not of the
+method, and any fixed absolute norm breaks scale-equivariance (gradients
+of 1e-4 to 1e-7 per entry are never clipped by it, gradients of 1 always
+are). With clipping off every part is scale-free: the output for ``c * g``
+is ``c`` times the output for ``g`` (bit for bit at a power-of-two ``c``).
+The paper's local clipping is one argument away: ``clip_norm=`` the global
+threshold your model trains with (e.g. ``clip_norm=5.0``).
+
+Per worker: with ``clip_norm``, the local gradient is clipped to global
+norm ``clip_norm / sqrt(N)`` (the norm of the whole gradient, all leaves); the
+momentum is corrected, ``u <- momentum * u + g`` and ``v <- v + u``; each
+leaf's v is sparsified: the threshold is the ``ceil(ratio * s)``-th largest
+``|v|`` of a strided sample of ``s = max(ceil(sample_ratio * n), 128)``
+entries (a leaf of at most 16384 entries is its own sample, so its
+selection is an exact top-k: the thresholds of a bucket's leaves are
+adjusted together, and small leaves' few-entry samples would cost every
+leaf extra counting passes), then scaled x1.3 / x0.7 up to 10 times until the count
+is within 0.7-1.3 of ``k = max(1, ceil(ratio * n))`` (if it never is, the
+threshold whose count was closest to k is used). The selected entries are
+sent and zeroed in both v and u (momentum factor masking); everything else
+stays. Leaves that travel dense (fewer than ``min_size`` entries, or
+marked ``dense``) send all of v and keep their momentum u (no masking:
+nothing is delayed there). The output is the mean of what the workers
+sent: it already contains the momentum, so follow it with plain SGD
+(``optax.sgd(lr)`` without momentum). Thresholds come from the finite
+entries of v; a non-finite entry is reset to 0 in u and v (and the builder
+turns that step's output into NaN, see :func:`jaxcomp.build`).
+
+The payload is static: per leaf ``cap = ceil(1.3 * max_ratio * n)`` slots,
+summed over the leaves of a bucket, of float32 values and bucket positions
+(the narrowest integer dtype for the bucket) plus one int32 count per
+bucket, all-gathered once per bucket. Entries past a leaf's ``cap`` (only
+when the adjustments do not bring the count under 1.3 k; those sent are
+the first in circular order from a random offset) stay in v and u. The
+warm-up is a schedule of stages (:func:`jaxcomp.ratio_warmup`, built on
+:func:`jaxcomp.staged`): each stage has the payload of its own density, so
+the bytes shrink as the warm-up goes on; one compiled program holds every
+stage, and ``u``, ``v`` carry over from stage to stage.
+:func:`jaxcomp.wire_bytes` gives the bytes after the warm-up (``step=``
+for a warm-up step's). A ratio schedule (a callable) is traced instead:
+its payload is sized for ``max_ratio`` at every step.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp import layout
+from jaxcomp.builder import build
 from jaxcomp.collectives import ops, packing
-from jaxcomp.collectives.axis import AxisName, current_axis
-from jaxcomp.core import DENSE, Codec, Ctx, Exchange, Memory, Method, build, flat_route, staged
+from jaxcomp.collectives.axis import AxisName
 from jaxcomp.layout import Segments
+from jaxcomp.memories import DGCMemory
+from jaxcomp.method import Method
+from jaxcomp.protocol import Codec, Ctx, Exchange, flat_route
+from jaxcomp.rebuild import staged
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.threshold import (
   BLOCK,
@@ -29,6 +79,7 @@ from jaxcomp.transforms.threshold import (
   sparse_payload,
   target,
 )
+from jaxcomp.warmup import warmup_stages
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -57,94 +108,6 @@ def warmup_schedule(ratio: float, warmup_steps: int, stages: int = 4) -> Schedul
     return jnp.where(step < w, density, jnp.float32(r))
 
   return schedule
-
-
-class DGCState(NamedTuple):
-  """DGC's memory: the corrected momentum ``u`` and the accumulation ``v``.
-
-  Each field is in the bucket layout (one float32 vector per bucket); read
-  them as trees like the parameters with :func:`jaxcomp.memory_tree`.
-  """
-
-  momentum: Any
-  accumulation: Any
-
-
-def dense_buckets(buckets, count: int) -> list:
-  """One bool per bucket: True where the bucket travels dense (every entry is sent)."""
-  if buckets is None:
-    return [False] * count
-  return [b.exchange is DENSE for b in buckets]
-
-
-class DGCMemory(Memory):
-  """Momentum correction, factor masking and local clipping (DGC Sec. 3.2-3.3).
-
-  ``compensate``: clip g (optional; the norm is that of the whole local
-  gradient, every bucket), ``u <- m u + g``, ``v <- v + u``; the exchange
-  sends part of v. ``update``: zero v and u where v was sent (the sent
-  entries are the nonzero entries of the local decode, since an exact zero is
-  never selected); v keeps exactly what was not sent. The memory interface
-  does not hand the gradient to ``update``, so u is recovered there as
-  ``v_new - v_old``: the same value up to one float32 rounding of v.
-
-  Buckets that travel dense (leaves below ``min_size``, or marked ``dense``)
-  send every entry: there v is emptied but u is not masked, so those leaves
-  get plain momentum SGD (``u <- m u + g`` sent whole) instead of losing
-  their momentum every step.
-  """
-
-  def __init__(self, momentum: float, clip_norm: float | None, axis_name: AxisName):
-    super().__init__()
-    self.momentum, self.clip_norm, self.axis_name = momentum, clip_norm, axis_name
-
-  def init(self, params):
-    # Two sets of buffers: a state whose fields share one cannot be donated.
-    return DGCState(momentum=jax.tree.map(jnp.zeros_like, params),
-                    accumulation=jax.tree.map(jnp.zeros_like, params))
-
-  def _clip(self, grads):
-    if self.clip_norm is None:
-      return grads
-    workers = current_axis(self.axis_name).size
-    # Over every bucket, dense ones included: the norm of the whole local gradient (padding is 0).
-    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-    limit = self.clip_norm / np.sqrt(workers)
-    scale = jnp.where(jnp.isfinite(norm) & (norm > limit), limit / norm, 1.0)
-    return jax.tree.map(lambda g: g * scale, grads)
-
-  def compensate(self, grads, state):
-    g = self._clip(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-    u = jax.tree.map(lambda u, g: self.momentum * u.astype(jnp.float32) + g, state.momentum, g)
-    return jax.tree.map(lambda v, u: v.astype(jnp.float32) + u, state.accumulation, u)
-
-  masks = True  # update() takes ``dense_step``: a traced bool, True on a dense (warm-up) step
-
-  def update(self, x, sent, state, buckets=None, dense_step=None):
-    us, vs = [], []
-    for xb, sb, vb, ub, dense in zip(x, sent, state.accumulation, state.momentum,
-                                     self.unmasked(buckets, len(x))):
-      u_dense = jnp.where(jnp.isfinite(xb), xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype)
-      v_dense = Memory.update(self, (xb,), (sb,), (vb,))[0]
-      if dense:
-        us.append(u_dense)
-        vs.append(v_dense)
-        continue
-      keep = (sb == 0) & jnp.isfinite(xb)
-      u = jnp.where(keep, xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype)
-      v = jnp.where(keep, xb, 0.0).astype(vb.dtype)
-      if dense_step is not None:  # a warm-up step sends every entry: no masking, as a dense bucket
-        u, v = jnp.where(dense_step, u_dense, u), jnp.where(dense_step, v_dense, v)
-      us.append(u)
-      vs.append(v)
-    return DGCState(momentum=tuple(us), accumulation=tuple(vs))
-
-  def unmasked(self, buckets, count: int) -> list:
-    """One bool per bucket: True where u is not masked (the dense buckets)."""
-    return dense_buckets(buckets, count)
-
-  def like_params(self, state):
-    return state.momentum
 
 
 def capacity(n: int, max_ratio: float) -> int:
@@ -194,7 +157,7 @@ class DGCExchange(Exchange):
     gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
     return sparse_mean(*gathered, n, ctx.axis.size), local, extra
 
-  def bucket_wire_bytes(self, segs):
+  def bucket_wire_bytes(self, segs, workers=None):
     return sparse_bytes(segs.length, int(self.caps(segs).sum()))
 
   def scatter_codec(self, ctx: Ctx | None) -> "DGCCodec":
@@ -224,51 +187,10 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
         min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
   """Deep Gradient Compression: momentum correction, factor masking, local clipping, warm-up.
 
-  The defaults are the paper's method with three of its four parts on:
-  momentum correction, momentum factor masking and a warm-up of the sparsity
-  (in steps, since an epoch's length is not known here). Local gradient
-  clipping is off by default (``clip_norm=None``): the paper clips at the
-  model's own global clipping threshold, a setting of the model, not of the
-  method, and any fixed absolute norm breaks scale-equivariance (gradients
-  of 1e-4 to 1e-7 per entry are never clipped by it, gradients of 1 always
-  are). With clipping off every part is scale-free: the output for ``c * g``
-  is ``c`` times the output for ``g`` (bit for bit at a power-of-two ``c``).
-  The paper's local clipping is one argument away: ``clip_norm=`` the global
-  threshold your model trains with (e.g. ``clip_norm=5.0``).
-
-  Per worker: with ``clip_norm``, the local gradient is clipped to global
-  norm ``clip_norm / sqrt(N)`` (the norm of the whole gradient, all leaves); the
-  momentum is corrected, ``u <- momentum * u + g`` and ``v <- v + u``; each
-  leaf's v is sparsified: the threshold is the ``ceil(ratio * s)``-th largest
-  ``|v|`` of a strided sample of ``s = max(ceil(sample_ratio * n), 128)``
-  entries (a leaf of at most 16384 entries is its own sample, so its
-  selection is an exact top-k: the thresholds of a bucket's leaves are
-  adjusted together, and small leaves' few-entry samples would cost every
-  leaf extra counting passes), then scaled x1.3 / x0.7 up to 10 times until the count
-  is within 0.7-1.3 of ``k = max(1, ceil(ratio * n))`` (if it never is, the
-  threshold whose count was closest to k is used). The selected entries are
-  sent and zeroed in both v and u (momentum factor masking); everything else
-  stays. Leaves that travel dense (fewer than ``min_size`` entries, or
-  marked ``dense``) send all of v and keep their momentum u (no masking:
-  nothing is delayed there). The output is the mean of what the workers
-  sent: it already contains the momentum, so follow it with plain SGD
-  (``optax.sgd(lr)`` without momentum). Thresholds come from the finite
-  entries of v; a non-finite entry is reset to 0 in u and v (and the builder
-  turns that step's output into NaN, see ``core.build``).
-
-  The payload is static: per leaf ``cap = ceil(1.3 * max_ratio * n)`` slots,
-  summed over the leaves of a bucket, of float32 values and bucket positions
-  (the narrowest integer dtype for the bucket) plus one int32 count per
-  bucket, all-gathered once per bucket. Entries past a leaf's ``cap`` (only
-  when the adjustments do not bring the count under 1.3 k; those sent are
-  the first in circular order from a random offset) stay in v and u. The
-  warm-up is a schedule of stages (:func:`jaxcomp.ratio_warmup`, built on
-  :func:`jaxcomp.staged`): each stage has the payload of its own density, so
-  the bytes shrink as the warm-up goes on; one compiled program holds every
-  stage, and ``u``, ``v`` carry over from stage to stage.
-  :func:`jaxcomp.wire_bytes` gives the bytes after the warm-up (``step=``
-  for a warm-up step's). A ratio schedule (a callable) is traced instead:
-  its payload is sized for ``max_ratio`` at every step.
+  The paper's method with three of its four parts on (local clipping is off
+  by default, see ``clip_norm``); the algorithm, its payload and its warm-up
+  are described in :mod:`jaxcomp.transforms.dgc`. The output already holds
+  the momentum: follow it with plain SGD (``optax.sgd(lr)``).
 
   Args:
     ratio: density sent, in (0, 1] (DGC: 0.001; GRACE's code defaults to 0.3),
@@ -302,6 +224,14 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
     exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxcomp
+    >>> params = {"w": jnp.zeros((256, 64))}
+    >>> tx = jaxcomp.dgc(ratio=0.01)  # axis_name=None: one worker, a local round trip
+    >>> jaxcomp.wire_bytes(tx, params)  # after the warm-up: 213 slots of values and uint16 positions
+    1282
+
   References:
     Lin, Han, Mao, Wang & Dally, *Deep Gradient Compression: Reducing the
     Communication Bandwidth for Distributed Training*, ICLR 2018, Sec. 3
@@ -314,6 +244,19 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
     warmup_steps = 0 if callable(ratio) else WARMUP_STEPS
   w = _args.integer("warmup_steps", warmup_steps, 0, 2 ** 31 - 1)  # the step count is int32
   clip = None if clip_norm is None else _args.positive("clip_norm", clip_norm)
+  schedule, top, fixed = _ratio_schedule(ratio, max_ratio, warmup_steps, w)
+  if fixed is not None and w:  # DGC's exponential warm-up: stages of dgc at fixed densities
+    return staged([(first, dgc(d, axis_name, m, sr, 0, None, clip, seed, bucket_bytes, min_size, dense,
+                                   dense_axis_name=dense_axis_name, exchange=exchange))
+                   for first, d in warmup_stages(fixed, w, start=WARMUP_START)])
+  method = Method("dgc", flat_route(DGCExchange(schedule, top, sr)), DGCMemory(m, clip, axis_name),
+                  min_size=layout.EVERY_LEAF)
+  return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
+               dense_axis_name=dense_axis_name, exchange=exchange)
+
+
+def _ratio_schedule(ratio, max_ratio, warmup_steps, w: int):
+  """dgc's ``ratio`` and ``max_ratio``, checked: ``(schedule, its largest value, float ratio or None)``."""
   if callable(ratio):
     if max_ratio is None:
       raise ValueError("max_ratio is required when ratio is a schedule: it sizes the payload"
@@ -322,18 +265,9 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
     if w:
       raise ValueError(f"warmup_steps applies to a float ratio only; got warmup_steps={warmup_steps!r}"
                        " with a schedule (build the warm-up into the schedule)")
-  else:
-    r = _args.ratio("ratio", ratio)
-    if max_ratio is not None:
-      raise ValueError(f"max_ratio is only used with a schedule ratio; got max_ratio={max_ratio!r}"
-                       f" with ratio={r!r}")
-    if w:  # DGC's exponential warm-up: stages of dgc at fixed densities, each its own payload
-      from jaxcomp.warmup import warmup_stages
-      return staged([(first, dgc(d, axis_name, m, sr, 0, None, clip, seed, bucket_bytes, min_size, dense,
-                                     dense_axis_name=dense_axis_name, exchange=exchange))
-                     for first, d in warmup_stages(r, w, start=WARMUP_START)])
-    schedule, top = (lambda step: jnp.float32(r)), r
-  ex = DGCExchange(schedule, top, sr)
-  return build(Method("dgc", flat_route(ex), DGCMemory(m, clip, axis_name), min_size=layout.EVERY_LEAF), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+    return schedule, top, None
+  r = _args.ratio("ratio", ratio)
+  if max_ratio is not None:
+    raise ValueError(f"max_ratio is only used with a schedule ratio; got max_ratio={max_ratio!r}"
+                     f" with ratio={r!r}")
+  return (lambda step: jnp.float32(r)), r, r

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +11,11 @@ import numpy as np
 from jax import lax
 
 from jaxcomp import layout
+from jaxcomp.builder import build
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import DENSE, Ctx, Exchange, Memory, Method, build
+from jaxcomp.method import Method
+from jaxcomp.protocol import DENSE, Ctx, Exchange, GroupExchange, Memory
 from jaxcomp.transforms import _args
 
 
@@ -75,6 +78,29 @@ def matrix_view(shape) -> tuple:
   for d in shape[:-1]:
     a *= int(d)
   return a, int(shape[-1])
+
+
+def compression_rate(value) -> float:
+  """``min_compression_rate`` of PowerSGD and ACP-SGD, checked: a finite float >= 1."""
+  rate = _args.positive("min_compression_rate", value)
+  if rate < 1:
+    raise ValueError(f"min_compression_rate must be >= 1, got min_compression_rate={value!r}")
+  return rate
+
+
+def matrix_route(lowrank: Exchange | GroupExchange, rank: int, rate: float) -> Callable:
+  """PowerSGD's rule as a route: a leaf goes to ``lowrank`` as a matrix (:func:`matrix_view`) when it
+  has rank >= 2 and its two rank-r factors are ``rate`` times smaller than it (``r = min(rank, rows,
+  cols)``); every other leaf goes dense, flattened."""
+
+  def route(shape):
+    if len(shape) >= 2:
+      a, b = matrix_view(shape)
+      if (a + b) * min(rank, a, b) * rate < a * b:
+        return lowrank, (a, b)
+    return DENSE, (int(np.prod(shape, dtype=np.int64)),)
+
+  return route
 
 
 def _view_groups(segs: layout.Segments):
@@ -208,7 +234,7 @@ class PowerSGDExchange(Exchange):
   output is proportional to the gradient at any scale.
   """
 
-  psums = True  # its factors travel by all-reduce (for jaxcomp.scatter.traffic)
+  all_reduces = True  # its factors travel by all-reduce (jaxcomp.traffic)
   rank: int
   # A NaN/Inf in a matrix reaches its P row, the orthogonalized P and every
   # entry of P Q^T; a worker's reaches everyone's through the all-reduce.
@@ -238,7 +264,7 @@ class PowerSGDExchange(Exchange):
     """A bucket's state (the Qs of its groups, flattened one after another) as ``(G, cols, r)`` per group."""
     return _split(extra, self._shapes(segs))
 
-  def bucket_wire_bytes(self, segs):
+  def bucket_wire_bytes(self, segs, workers=None):
     return sum(self.wire_bytes(view, len(idx)) for view, idx in _view_groups(segs))
 
   def _compressed(self, x, segs, Q, ctx: Ctx):
@@ -302,28 +328,23 @@ def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: fl
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
     exchange: ``"gather"`` only: its factors are all-reduced already; ``"scatter"`` raises.
 
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxcomp
+    >>> params = {"w": jnp.zeros((256, 64))}
+    >>> tx = jaxcomp.powersgd(rank=2)  # axis_name=None: one worker, a local round trip
+    >>> jaxcomp.wire_bytes(tx, params)  # float32 factors P (256 x 2) and Q (64 x 2)
+    2560
+
   References:
     Vogels, Karimireddy & Jaggi, *PowerSGD: Practical Low-Rank Gradient
     Compression for Distributed Optimization*, NeurIPS 2019, Algorithm 1.
   """
   r = _args.integer("rank", rank, 1)
-  rate = _args.positive("min_compression_rate", min_compression_rate)
-  if rate < 1:
-    raise ValueError(f"min_compression_rate must be >= 1, got min_compression_rate={min_compression_rate!r}")
+  rate = compression_rate(min_compression_rate)
   start = _args.integer("start_step", start_step, 0, 2 ** 31 - 1)  # the step count is int32
   ef = _args.flag("error_feedback", error_feedback)
-  lowrank = PowerSGDExchange(r)
-
-  def route(shape):
-    n = 1
-    for d in shape:
-      n *= int(d)
-    if len(shape) >= 2:
-      a, b = matrix_view(shape)
-      if (a + b) * min(r, a, b) * rate < a * b:
-        return lowrank, (a, b)
-    return DENSE, (n,)
-
-  return build(Method("powersgd", route, Memory(enabled=ef), start_step=start, chunkable=False), axis_name,
-               seed, bucket_bytes,
-               min_size, dense, dense_axis_name=dense_axis_name, exchange=exchange)
+  method = Method("powersgd", matrix_route(PowerSGDExchange(r), r, rate), Memory(enabled=ef),
+                  start_step=start, chunkable=False)
+  return build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)

@@ -4,7 +4,7 @@ Every codec here works on a whole bucket: the fields of all its leaves are
 packed together, each per-leaf quantity (a norm, a scale, a top exponent) is
 one value per segment from the segment reductions of
 :class:`jaxcomp.layout.Segments`, and the stochastic rounding draws one
-uniform per bucket entry from the bucket's key (:mod:`jaxcomp.rng`). Each
+uniform per bucket entry from the bucket's key (:mod:`jaxcomp.kernels.rng`). Each
 leaf's fields are padded to a multiple of 128 entries (the segments' block).
 """
 
@@ -17,12 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp import rng
+from jaxcomp.builder import build
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
+from jaxcomp.kernels import rng
 from jaxcomp.layout import Segments
+from jaxcomp.method import Method
+from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.transforms import _args
+from jaxcomp.transforms.dense import pow2
 
 
 def level_bits(levels: int) -> int:
@@ -70,7 +73,7 @@ def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = F
   of all leaves of a bucket packed together. Norms differ between workers, so payloads are
   all-gathered and each worker decodes and averages them. Each worker rounds
   with its own key (the shared key folded with its index); the
-  uniforms come from :mod:`jaxcomp.rng`, a counter hash fused into the kernel.
+  uniforms come from :mod:`jaxcomp.kernels.rng`, a counter hash fused into the kernel.
 
   Args:
     levels: s in [1, 127]; GRACE's default 127 (its benchmarks use 64).
@@ -81,6 +84,14 @@ def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = F
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
     exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxcomp
+    >>> params = {"w": jnp.zeros((256, 64))}
+    >>> tx = jaxcomp.qsgd(levels=7)  # axis_name=None: one worker, a local round trip
+    >>> jaxcomp.wire_bytes(tx, params)  # a float32 norm and 4 bits per entry
+    8196
 
   References:
     Alistarh et al., *QSGD: Communication-Efficient SGD via Gradient
@@ -140,7 +151,7 @@ def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
   averages all of them (TernGrad's optional scale sharing, a max-allreduce of
   the scales first, is not done).
   Each worker draws its Bernoulli variables with its own key
-  (:mod:`jaxcomp.rng`).
+  (:mod:`jaxcomp.kernels.rng`).
 
   ``sigma`` is measured around zero (the root mean square of the leaf); the
   paper's standard deviation is the same for zero-mean gradients, and this
@@ -177,11 +188,6 @@ _MANTISSA = 0x7FFFFF
 _NATURAL_BITS = (2, 4, 8)
 
 
-def _pow2(e: jax.Array) -> jax.Array:
-  """2**(e - 127) as float32 for integer biased exponents e in [1, 254]."""
-  return lax.bitcast_convert_type(e.astype(jnp.uint32) << 23, jnp.float32)
-
-
 @dataclasses.dataclass(frozen=True)
 class NaturalCodec(Codec):
   """Payload: the top biased exponent of each segment (uint8 (S,)) and one sign + exponent field per entry.
@@ -215,7 +221,7 @@ class NaturalCodec(Codec):
     low = jnp.maximum(top_e - self.levels + 1, 1)
     # Below the lowest level: 0 or 2**(low-127), up with probability |x| / 2**(low-127).
     d = e - low
-    frac = (1.0 + m.astype(jnp.float32) * 2.0 ** -23) * _pow2(jnp.clip(d, -126, 0) + 127)
+    frac = (1.0 + m.astype(jnp.float32) * 2.0 ** -23) * pow2(jnp.clip(d, -126, 0))
     p = jnp.where(d >= -126, frac, 0.0)
     under_up = rng.to_unit(h) < p
     e2 = jnp.where(e >= low, e1, jnp.where((e >= 1) & under_up, low, 0))

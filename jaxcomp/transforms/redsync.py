@@ -8,12 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp.builder import build
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import Codec, Ctx, Exchange, Memory, Method, build, flat_route
+from jaxcomp.kernels import compaction, selection
 from jaxcomp.layout import Segments
-from jaxcomp.transforms import _args, selection
 from jaxcomp.memories import MomentumCorrection
+from jaxcomp.method import Method
+from jaxcomp.protocol import Codec, Ctx, Exchange, Memory, flat_route
+from jaxcomp.transforms import _args
 from jaxcomp.transforms.sparse import scatter_mean
 from jaxcomp.transforms.threshold import BLOCK
 
@@ -26,8 +29,8 @@ class RedSyncExchange(Exchange):
   """Select per leaf (binary search or trimmed top-k), optionally quantize; one all-gather per bucket.
 
   Works on the whole bucket: every segment (leaf) searches its own threshold
-  at once (:func:`jaxcomp.transforms.selection.segment_binary_search`,
-  :func:`~jaxcomp.transforms.selection.segment_trimmed_topk`), the selection
+  at once (:func:`jaxcomp.kernels.selection.segment_binary_search`,
+  :func:`~jaxcomp.kernels.selection.segment_trimmed_topk`), the selection
   is compacted once into the bucket's slots (the sum of the leaves'), and
   the payload is packed into one buffer. Payload per bucket: the slots' bucket
   positions (narrowest integer dtype for the bucket) and either their
@@ -71,7 +74,7 @@ class RedSyncExchange(Exchange):
       return (values, idx.astype(itype)), sel.threshold
     cap = idx.shape[0]
     pos, neg = valid & (values >= 0), valid & (values < 0)
-    seg = selection.segment_of(idx, segs)
+    seg = compaction.segment_of(idx, segs)
 
     def side(mask, v):
       total = jax.ops.segment_sum(jnp.where(mask, v, 0.0), seg, segs.count)
@@ -79,7 +82,8 @@ class RedSyncExchange(Exchange):
 
     means = jnp.stack([side(pos, values), side(neg, -values)], axis=1)
     counts = jnp.stack([jnp.sum(pos), jnp.sum(neg)]).astype(jnp.int32)
-    p_rank, n_rank = selection.prefix_sum(pos.astype(jnp.int32)), selection.prefix_sum(neg.astype(jnp.int32))
+    p_rank = compaction.prefix_sum(pos.astype(jnp.int32))
+    n_rank = compaction.prefix_sum(neg.astype(jnp.int32))
     slot = jnp.where(pos, p_rank - 1, jnp.where(neg, counts[0] + n_rank - 1, cap))
     ordered = jnp.zeros((cap,), jnp.int32).at[slot].set(idx, mode="drop")
     return (ordered.astype(itype), counts, means), sel.threshold
@@ -90,7 +94,7 @@ class RedSyncExchange(Exchange):
       return payload[0], payload[1]
     idx, counts, means = payload
     slot = jnp.arange(idx.shape[-1])
-    m = means[selection.segment_of(idx, segs)]
+    m = means[compaction.segment_of(idx, segs)]
     values = jnp.where(slot < counts[0], m[:, 0], jnp.where(slot < counts[0] + counts[1], -m[:, 1], 0.0))
     return values, idx
 
@@ -114,7 +118,7 @@ class RedSyncExchange(Exchange):
     values, idx = jax.vmap(lambda p: self.values(p, segs))(gathered)
     return scatter_mean(values, idx, segs.length, ctx.axis.size), local, thresholds
 
-  def bucket_wire_bytes(self, segs):
+  def bucket_wire_bytes(self, segs, workers=None):
     cap = int(self.caps(segs).sum())
     index = np.dtype(_args.index_dtype(segs.length)).itemsize
     return cap * index + (8 + 8 * segs.count if self.quantize else cap * 4)
@@ -128,7 +132,7 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
 
   Each leaf of at least ``min_size`` entries sends about ``k = ceil(ratio * n)``
   entries of its residual-compensated gradient, chosen with no sort of the
-  leaf (:mod:`jaxcomp.transforms.selection`), all leaves of a bucket at once:
+  leaf (:mod:`jaxcomp.kernels.selection`), all leaves of a bucket at once:
 
   - ``"binary_search"``: RedSync's threshold binary search, stopping once
     between k and 2k entries pass; the payload holds 2k slots per leaf
@@ -184,8 +188,8 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
   else:
     memory = MomentumCorrection(_args.unit_interval("momentum", momentum), masking=True)
   method = Method("redsync", flat_route(RedSyncExchange(r, sel, q)), memory)
-  return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=size, dense=dense, dense_axis_name=dense_axis_name,
-  exchange=exchange)
+  return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=size, dense=dense,
+               dense_axis_name=dense_axis_name, exchange=exchange)
 
 
 class RedSyncCodec(Codec):

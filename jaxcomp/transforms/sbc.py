@@ -1,4 +1,79 @@
-"""Sparse Binary Compression: communication delay, binarized top-p, Golomb-coded positions."""
+"""Sparse Binary Compression: communication delay, binarized top-p, Golomb-coded positions.
+
+Placement of :func:`sbc`:
+
+- ``delay > 1`` (communication delay): SBC compresses each worker's local
+  parameter update, the optimizer's output, so it wraps the optimizer:
+  ``jaxcomp.sbc(delay=4, axis_name="data", optimizer=optax.sgd(lr, momentum=0.9))``
+  is a complete optimizer, used in place of ``optax.sgd(...)`` (alone or as
+  the last element of an ``optax.chain``: gradient transforms such as
+  clipping go before it, nothing after it). Every step it runs
+  ``optimizer`` on the gradients and SBC on the optimizer's updates (it is
+  ``optax.chain(optimizer, <SBC>)``), and its output is the parameter
+  update to apply unchanged (``optax.apply_updates``). Without
+  ``optimizer`` a ``ValueError`` is raised at construction: placed before an
+  optimizer, the order of the other methods, a sync step's output (the step
+  to the shared anchor, below) would be scaled by it and the replicas would
+  drift apart.
+- ``delay=1`` (a sync every step): plain sparse binary compression of its
+  input, placed like the other methods, before the optimizer:
+  ``optax.chain(jaxcomp.sbc(axis_name="data"), optax.sgd(lr))``; or with
+  ``optimizer=``, which compresses the optimizer's update instead.
+
+Steps are grouped in periods of ``delay``: on the first ``delay - 1`` steps
+of a period the update passes through unchanged (each worker moves
+locally). On the last step of the period (every step when ``delay=1``) each
+worker forms ``A = residual + (params - anchor) + update``, where
+``anchor`` holds the parameters at the last sync (the same on every
+worker) and ``params - anchor`` is thus how far the worker moved locally
+(0 with ``delay=1``), and, per leaf of n entries with
+``k = ceil(sparsity * n)``, takes the k largest positive entries of A and
+the k largest of -A, with mean magnitudes mu+ and mu-; it sends the side
+with the larger mean as one float32 value (mu+ or -mu-) and its positions.
+The positions of all leaves of a bucket travel as one stream of gaps
+Golomb-coded with ``b* = 1 + floor(log2(ln(phi - 1) / ln(1 - sparsity)))``
+(:mod:`jaxcomp.collectives.golomb`) in a fixed-size bit buffer plus the
+stream length. Payloads are all-gathered (one all-gather per bucket) and
+decoded in XLA. What was not sent, ``A - sent``, stays in the residual.
+
+The output of a sync step with ``delay=1`` is the mean of what the workers
+sent. With ``delay > 1`` the new sync point is ``anchor' = anchor + mean``
+(float32, computed from values every worker shares: the same bits
+everywhere) and the output is ``anchor' - params``, so that
+``params + output`` lands on ``anchor'``: the replicas meet at every sync.
+Exactly, on every worker, for float32 parameters whenever
+``anchor' - params`` is exact in float32 (by Sterbenz's lemma, whenever
+``params`` and ``anchor'`` have the same sign and are within a factor 2 of
+each other: every parameter whose local moves of a period are small
+against it); otherwise (a parameter crossing zero in the period) within
+half an ulp of ``anchor' - params``. The anchor is kept in the state, so
+such rounding is never carried to the next period: replicas meet again at
+every sync, whatever the length of the run (summing the local updates
+instead left float rounding that grew with it). This needs the
+parameters: call ``tx.update(grads, state, params)`` (``optax.chain``
+passes them on; they must be identical on every worker at the first
+step). The first step takes them as the anchor.
+
+:func:`jaxcomp.wire_bytes` gives the bytes of one sync step; the average
+per step is that divided by ``delay``. A period is counted from the state's
+``phase`` (the step count modulo 2^32, which keeps counting where ``count``
+saturates), so the first sync is at step ``delay - 1`` (0-based). SBC's
+state is a :class:`jaxcomp.CompressState` with one :class:`SBCState` per
+bucket in ``extra``: the anchor (only when ``delay > 1``) and the
+residual, in the bucket's layout. With ``optimizer`` the state is
+``optax.chain``'s tuple ``(optimizer's state, SBC's state)`` and the
+result carries the SBC transformation alone as ``.compressor`` (as
+:func:`jaxcomp.onebit_adam` does): :func:`jaxcomp.wire_bytes` and
+:func:`jaxcomp.steady` read it from the result; pass it to
+:func:`jaxcomp.memory_tree` with ``state[1]``. Leaves that travel dense
+(``min_size``, ``dense``) are averaged every step, local steps included.
+Non-finite values: on a sync step a worker whose A holds a NaN or Inf
+sends a NaN value, so every worker's output is NaN and :func:`jaxcomp.build`
+skips the step on all replicas together (state kept as it was, the
+anchor and residual included; the period then lasts until the next sync).
+A local step communicates nothing: a non-finite update makes only that
+worker's output NaN.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +87,16 @@ import optax
 from jax import lax
 
 from jaxcomp import layout
+from jaxcomp.builder import build
 from jaxcomp.collectives import golomb, ops, packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import Ctx, Exchange, Memory, Method, build, compressed_optimizer, flat_route
-from jaxcomp.transforms import _args, selection
+from jaxcomp.kernels import compaction
+from jaxcomp.method import Method
+from jaxcomp.protocol import Ctx, Exchange, Memory, flat_route
+from jaxcomp.transformation import compressed_optimizer
+from jaxcomp.transforms import _args
 from jaxcomp.transforms.sparse import scatter_mean
 
-_WORD = 32  # entries per packed mask word
 _SIGN = 0x7FFFFFFF
 
 
@@ -98,19 +176,6 @@ def _thresholds(bits: jax.Array, segs: layout.Segments, k: jax.Array):
   return lax.fori_loop(0, 31, body, (zero, zero))
 
 
-def _keep_first_ties(ties: jax.Array, need: jax.Array, segs: layout.Segments) -> jax.Array:
-  """Keeps the first ``need[s]`` set bits (in index order) of each segment's mask words."""
-  return selection.cap_segments(ties, segs, need)[0]
-
-
-def _segment_of(positions: jax.Array, segs: layout.Segments) -> jax.Array:
-  """The segment of each bucket position (positions past the bucket: the last segment)."""
-  if segs.count == 1:
-    return jnp.zeros(positions.shape, jnp.int32)
-  row = jnp.minimum(positions, segs.length - 1) // segs.block
-  return jnp.asarray(segs.row_segment)[row]
-
-
 @dataclasses.dataclass(frozen=True)
 class SBCExchange(Exchange):
   """Local steps, then a sync: binarize every segment, Golomb-code, all-gather, decode, mean.
@@ -132,6 +197,10 @@ class SBCExchange(Exchange):
   capacity: float | None
   carries_nonfinite = True  # a non-finite A sends a NaN value, and every decoded mean is NaN
   block = 128  # rows for the per-segment counts; 4 mask words, so no word straddles two segments
+
+  @property
+  def sync_every(self) -> int:
+    return self.delay
 
   @property
   def wants_params(self) -> bool:
@@ -156,7 +225,7 @@ class SBCExchange(Exchange):
     return SBCState(jnp.zeros((n if self.delay > 1 else 0,), jnp.float32), jnp.zeros((n,), jnp.float32),
                     jnp.zeros((), jnp.bool_))
 
-  def bucket_wire_bytes(self, segs):
+  def bucket_wire_bytes(self, segs, workers=None):
     _, _, cap = self.sizes(segs)
     return 4 * segs.count + np.dtype(self._nbits_dtype(segs)).itemsize + golomb.words_for(cap)
 
@@ -192,13 +261,15 @@ class SBCExchange(Exchange):
     plus = mup >= mun
     value = jnp.where(plus, mup, -mun)
     plus_e = segs.spread(plus)
-    strict = selection.pack_mask(jnp.where(plus_e, above_p, above_n))
-    ties = selection.pack_mask(jnp.where(plus_e, tie_p, tie_n))
-    words = strict | _keep_first_ties(ties, jnp.where(plus, tied_p, tied_n), segs)
-    pos, count = selection.compact(words, n, total)
+    strict = compaction.pack_mask(jnp.where(plus_e, above_p, above_n))
+    ties = compaction.pack_mask(jnp.where(plus_e, tie_p, tie_n))
+    # of the entries tied at the threshold, the first of each segment (in index order) make up the k
+    kept, _ = compaction.cap_segments(ties, segs, jnp.where(plus, tied_p, tied_n))
+    words = strict | kept
+    pos, count = compaction.compact(words, n, total)
     stream, nbits, sent = golomb.encode_positions(pos, count, n, b, cap)
     pos = jnp.where(jnp.arange(total) < sent, pos, n)
-    local = jnp.zeros((n,), jnp.float32).at[pos].set(value[_segment_of(pos, segs)], mode="drop")
+    local = jnp.zeros((n,), jnp.float32).at[pos].set(value[compaction.segment_of(pos, segs)], mode="drop")
     flagged = jnp.where(jnp.all(finite), value, jnp.nan).astype(jnp.float32)
     return (flagged, nbits.astype(self._nbits_dtype(segs)), stream), local
 
@@ -207,7 +278,7 @@ class SBCExchange(Exchange):
     n, total = segs.length, int(kk.sum())
     values, nbits, stream = gathered
     pos, _ = jax.vmap(lambda w, m: golomb.decode_positions(w, m, b, total, n))(stream, nbits)
-    vals = jnp.take_along_axis(values, _segment_of(pos, segs), axis=1)
+    vals = jnp.take_along_axis(values, compaction.segment_of(pos, segs), axis=1)
     mean = scatter_mean(vals, pos, n, num)
     return jnp.where(jnp.all(jnp.isfinite(values)), mean, jnp.nan)
 
@@ -234,7 +305,7 @@ class SBCExchange(Exchange):
   def exchange(self, x, segs, extra, ctx: Ctx):
     if self.delay == 1:
       return self._sync(x, segs, extra, ctx, None, None)
-    params = getattr(ctx, "params", None)
+    params = ctx.params
     if params is None:
       raise ValueError(
           f"sbc with delay={self.delay} needs the parameters: call tx.update(updates, state, params)"
@@ -262,85 +333,28 @@ def _delay_needs_optimizer(delay: int) -> str:
       f" jaxcomp.sbc(delay={delay}, optimizer=optax.sgd(lr)); delay=1 needs no optimizer.")
 
 
+def _check_optimizer(optimizer, delay: int) -> None:
+  """sbc's ``optimizer``: required with ``delay > 1``; an optax transformation where given."""
+  if optimizer is None and delay > 1:
+    raise ValueError(_delay_needs_optimizer(delay))
+  if optimizer is not None and not (callable(getattr(optimizer, "init", None))
+                                    and callable(getattr(optimizer, "update", None))):
+    raise TypeError("optimizer must be an optax GradientTransformation, e.g. optax.sgd(0.1),"
+                    f" got {optimizer!r}")
+
+
 def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
         capacity: float | None = None, seed: int = 0, bucket_bytes: int | None = None,
         min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather",
         optimizer: optax.GradientTransformation | None = None):
   """Sparse Binary Compression: communication delay + binarized top-p + Golomb positions.
 
-  Placement:
-
-  - ``delay > 1`` (communication delay): SBC compresses each worker's local
-    parameter update, the optimizer's output, so it wraps the optimizer:
-    ``jaxcomp.sbc(delay=4, axis_name="data", optimizer=optax.sgd(lr, momentum=0.9))``
-    is a complete optimizer, used in place of ``optax.sgd(...)`` (alone or as
-    the last element of an ``optax.chain``: gradient transforms such as
-    clipping go before it, nothing after it). Every step it runs
-    ``optimizer`` on the gradients and SBC on the optimizer's updates (it is
-    ``optax.chain(optimizer, <SBC>)``), and its output is the parameter
-    update to apply unchanged (``optax.apply_updates``). Without
-    ``optimizer`` a ``ValueError`` is raised at construction: placed before an
-    optimizer, the order of the other methods, a sync step's output (the step
-    to the shared anchor, below) would be scaled by it and the replicas would
-    drift apart.
-  - ``delay=1`` (a sync every step): plain sparse binary compression of its
-    input, placed like the other methods, before the optimizer:
-    ``optax.chain(jaxcomp.sbc(axis_name="data"), optax.sgd(lr))``; or with
-    ``optimizer=``, which compresses the optimizer's update instead.
-
-  Steps are grouped in periods of ``delay``: on the first ``delay - 1`` steps
-  of a period the update passes through unchanged (each worker moves
-  locally). On the last step of the period (every step when ``delay=1``) each
-  worker forms ``A = residual + (params - anchor) + update``, where
-  ``anchor`` holds the parameters at the last sync (the same on every
-  worker) and ``params - anchor`` is thus how far the worker moved locally
-  (0 with ``delay=1``), and, per leaf of n entries with
-  ``k = ceil(sparsity * n)``, takes the k largest positive entries of A and
-  the k largest of -A, with mean magnitudes mu+ and mu-; it sends the side
-  with the larger mean as one float32 value (mu+ or -mu-) and its positions.
-  The positions of all leaves of a bucket travel as one stream of gaps
-  Golomb-coded with ``b* = 1 + floor(log2(ln(phi - 1) / ln(1 - sparsity)))``
-  (:mod:`jaxcomp.collectives.golomb`) in a fixed-size bit buffer plus the
-  stream length. Payloads are all-gathered (one all-gather per bucket) and
-  decoded in XLA. What was not sent, ``A - sent``, stays in the residual.
-
-  The output of a sync step with ``delay=1`` is the mean of what the workers
-  sent. With ``delay > 1`` the new sync point is ``anchor' = anchor + mean``
-  (float32, computed from values every worker shares: the same bits
-  everywhere) and the output is ``anchor' - params``, so that
-  ``params + output`` lands on ``anchor'``: the replicas meet at every sync.
-  Exactly, on every worker, for float32 parameters whenever
-  ``anchor' - params`` is exact in float32 (by Sterbenz's lemma, whenever
-  ``params`` and ``anchor'`` have the same sign and are within a factor 2 of
-  each other: every parameter whose local moves of a period are small
-  against it); otherwise (a parameter crossing zero in the period) within
-  half an ulp of ``anchor' - params``. The anchor is kept in the state, so
-  such rounding is never carried to the next period: replicas meet again at
-  every sync, whatever the length of the run (summing the local updates
-  instead left float rounding that grew with it). This needs the
-  parameters: call ``tx.update(grads, state, params)`` (``optax.chain``
-  passes them on; they must be identical on every worker at the first
-  step). The first step takes them as the anchor.
-
-  :func:`jaxcomp.wire_bytes` gives the bytes of one sync step; the average
-  per step is that divided by ``delay``. A period is counted from the state's
-  ``phase`` (the step count modulo 2^32, which keeps counting where ``count``
-  saturates), so the first sync is at step ``delay - 1`` (0-based). SBC's
-  state is a :class:`jaxcomp.CompressState` with one :class:`SBCState` per
-  bucket in ``extra``: the anchor (only when ``delay > 1``) and the
-  residual, in the bucket's layout. With ``optimizer`` the state is
-  ``optax.chain``'s tuple ``(optimizer's state, SBC's state)`` and the
-  result carries the SBC transformation alone as ``.compressor`` (as
-  :func:`jaxcomp.onebit_adam` does): :func:`jaxcomp.wire_bytes` and
-  :func:`jaxcomp.steady` read it from the result; pass it to
-  :func:`jaxcomp.memory_tree` with ``state[1]``. Leaves that travel dense
-  (``min_size``, ``dense``) are averaged every step, local steps included.
-  Non-finite values: on a sync step a worker whose A holds a NaN or Inf
-  sends a NaN value, so every worker's output is NaN and :func:`jaxcomp.build`
-  skips the step on all replicas together (state kept as it was, the
-  anchor and residual included; the period then lasts until the next sync).
-  A local step communicates nothing: a non-finite update makes only that
-  worker's output NaN.
+  With ``delay > 1`` it wraps the local optimizer (``optimizer=``): the
+  result is a complete optimizer, used in place of ``optax.sgd(...)`` with
+  nothing after it. With ``delay=1`` it goes before the optimizer like the
+  other methods. Placement, the sync schedule, the anchor at which the
+  replicas meet at every sync, the state and non-finite steps are described
+  in :mod:`jaxcomp.transforms.sbc`.
 
   Args:
     sparsity: p, the fraction of each leaf's entries per side, in (0, 1]
@@ -374,6 +388,15 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
     ValueError: ``delay > 1`` without ``optimizer`` (the message shows the
       fix), or a bad argument.
 
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import jaxcomp
+    >>> params = {"w": jnp.zeros((256, 64))}
+    >>> tx = jaxcomp.sbc(sparsity=0.01, delay=4, optimizer=optax.sgd(0.1))  # axis_name=None: one worker
+    >>> jaxcomp.wire_bytes(tx, params)  # a sync step: a float32 value, a length, Golomb-coded positions
+    182
+
   References:
     Sattler, Wiedemann, Müller & Samek, *Sparse Binary Compression: Towards
     Distributed Deep Learning with minimal Communication*, IJCNN 2019
@@ -390,15 +413,11 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
         f"sparsity must be >= 1e-9 (Golomb-coded positions need b <= 30), got sparsity={sparsity!r}")
   if capacity is not None:
     capacity = _args.positive("capacity", capacity)
-  if optimizer is None and d > 1:
-    raise ValueError(_delay_needs_optimizer(d))
-  if optimizer is not None and not (callable(getattr(optimizer, "init", None))
-                                    and callable(getattr(optimizer, "update", None))):
-    raise TypeError("optimizer must be an optax GradientTransformation, e.g. optax.sgd(0.1),"
-                    f" got {optimizer!r}")
-  ex = SBCExchange(p, d, capacity)
-  tx = build(Method("sbc", flat_route(ex), Memory(enabled=False), min_size=layout.EVERY_LEAF), axis_name, seed,
-             bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name, exchange=exchange)
+  _check_optimizer(optimizer, d)
+  method = Method("sbc", flat_route(SBCExchange(p, d, capacity)), Memory(enabled=False),
+                  min_size=layout.EVERY_LEAF)
+  tx = build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,
+             exchange=exchange)
   if optimizer is None:
     return tx
   return compressed_optimizer(optax.chain(optimizer, tx), tx)

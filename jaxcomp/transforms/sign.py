@@ -13,10 +13,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp.builder import build
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
 from jaxcomp.layout import Segments
+from jaxcomp.method import Method
+from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.transforms import _args
 
 TIES = ("zero", "positive")
@@ -147,6 +149,19 @@ def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int 
     exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxcomp
+    >>> params = {"w": jnp.zeros((256, 64))}
+    >>> tx = jaxcomp.signsgd()  # axis_name=None: one worker, a local round trip
+    >>> jaxcomp.wire_bytes(tx, params)  # one bit per entry
+    2048
+    >>> grads = {"w": jnp.full((256, 64), -0.5)}
+    >>> updates, state = jax.jit(tx.update)(grads, tx.init(params))
+    >>> print(updates["w"][0, :3])  # the sign of each entry
+    [-1. -1. -1.]
+
   References:
     Bernstein et al., *signSGD: Compressed Optimisation for Non-Convex
     Problems*, ICML 2018; *signSGD with Majority Vote is Communication
@@ -198,8 +213,8 @@ def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket
   """
   g = _args.positive("lr", lr)
   return build(Method("efsignsgd", flat_route(CodecExchange(ScaledSignCodec())), Memory(gamma=g)),
-               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
+               dense_axis_name=dense_axis_name, exchange=exchange)
 
 
 class MomentumMemory(Memory):
@@ -252,8 +267,8 @@ def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, tie
   b = _args.unit_interval("momentum", momentum)
   ties = _args.choice("ties", ties, TIES)
   return build(Method("signum", flat_route(CodecExchange(SignCodec(ties=ties))), MomentumMemory(b)),
-               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
+               dense_axis_name=dense_axis_name, exchange=exchange)
 
 
 class OneBitCodec(Codec):
@@ -306,5 +321,5 @@ def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 
   """
   ef = _args.flag("error_feedback", error_feedback)
   return build(Method("onebit", flat_route(CodecExchange(OneBitCodec())), Memory(enabled=ef)), axis_name,
-               seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
+               dense_axis_name=dense_axis_name, exchange=exchange)

@@ -29,11 +29,14 @@ import numpy as np
 from jax import lax
 
 from jaxcomp import layout
+from jaxcomp.builder import build
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
+from jaxcomp.kernels import segtopk
 from jaxcomp.layout import Segments
-from jaxcomp.transforms import _args, segtopk
+from jaxcomp.method import Method
+from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.transforms import _args
 
 CHUNK = 65536  # entries per chunk of the "chunk16" position code
 SELECTIONS = ("exact", "chunked")
@@ -229,6 +232,14 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
     exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxcomp
+    >>> params = {"w": jnp.zeros((256, 64))}
+    >>> tx = jaxcomp.topk(ratio=0.01)  # axis_name=None: one worker, a local round trip
+    >>> jaxcomp.wire_bytes(tx, params)  # k = 164 float32 values and 164 uint16 positions
+    984
+
   References:
     Aji & Heafield, *Sparse Communication for Distributed Gradient Descent*,
     EMNLP 2017; Stich et al., *Sparsified SGD with Memory*, NeurIPS 2018;
@@ -251,9 +262,9 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
     codec = ChunkedTopKCodec(r, b, val)
   else:
     codec = TopKCodec(r, pos, val, sc)
-  return build(Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF),
-               axis_name, seed,
-               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name, exchange=exchange)
+  method = Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF)
+  return build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,
+               exchange=exchange)
 
 
 # ----------------------------------------------------------------------------

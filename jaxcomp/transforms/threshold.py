@@ -8,7 +8,7 @@ one payload per bucket whose capacity is the sum of its leaves' capacities,
 positions are bucket positions, and per-leaf quantities (a capacity, a
 threshold, a mean) are per segment, computed for all segments at once.
 Selection never sorts the bucket: the mask is packed into 32-bit words, capped
-per segment and compacted word by word (:mod:`jaxcomp.transforms.selection`);
+per segment and compacted word by word (:mod:`jaxcomp.kernels.compaction`);
 thresholds that must hit a target count are estimated from a small strided
 sample of each segment (one sort of all samples) and then adjusted by a few
 passes of counting.
@@ -24,11 +24,14 @@ import numpy as np
 from jax import lax
 
 from jaxcomp import layout
+from jaxcomp.builder import build
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import Codec, CodecExchange, Memory, Method, build, flat_route
+from jaxcomp.kernels import compaction
 from jaxcomp.layout import Segments
-from jaxcomp.transforms import _args, selection
+from jaxcomp.method import Method
+from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.transforms import _args
 from jaxcomp.transforms.sparse import scatter_mean
 
 MIN_SAMPLE = 128  # the smallest sample
@@ -71,7 +74,7 @@ def select(mask: jax.Array, segs: Segments, caps, key: jax.Array, word: int = 0)
   region of a leaf is starved when its capacity is too small.
   """
   start = segment_ints(key, word, np.asarray(segs.padded_sizes, np.int64) // 32)
-  idx, count, _ = selection.compact_segments(selection.pack_mask(mask), segs, caps, start_words=start)
+  idx, count, _ = compaction.compact_segments(compaction.pack_mask(mask), segs, caps, start_words=start)
   return idx, count
 
 
@@ -158,7 +161,7 @@ def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, 
 
   def count(t):  # per segment, sample entries with bits >= t (t >= 0)
     t_row = t[jnp.asarray(row_seg)] if segs.count > 1 else jnp.broadcast_to(t[0], row_seg.shape)
-    return selection.run_sums(jnp.sum(bits >= t_row[:, None], axis=1, dtype=jnp.int32), rows)
+    return compaction.run_sums(jnp.sum(bits >= t_row[:, None], axis=1, dtype=jnp.int32), rows)
 
   ks_max = np.asarray([_args.count(max_ratio, m) for m in s], np.int32)
   pool = count(jnp.ones((segs.count,), jnp.int32)) if among_nonzero else jnp.asarray(s, jnp.int32)
@@ -199,7 +202,7 @@ def refine_thresholds(a: jax.Array, thr: jax.Array, k, segs: Segments, low: floa
   k = jnp.broadcast_to(jnp.asarray(k, jnp.float32), (segs.count,))
 
   def count(t):
-    return selection.segment_count(passes(a, segs.spread(t)), segs).astype(jnp.float32)
+    return compaction.segment_count(passes(a, segs.spread(t)), segs).astype(jnp.float32)
 
   def outside(m):
     return (m > high * k) | (m < low * k)
@@ -373,9 +376,10 @@ def threshold(v: float | None = None, capacity: float = 0.1, axis_name: AxisName
   cap = _args.ratio("capacity", capacity)
   ef = _args.flag("error_feedback", error_feedback)
   codec = ThresholdCodec(codec_v, cap, relative)
-  return build(Method("threshold", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+  method = Method("threshold", flat_route(CodecExchange(codec)), Memory(enabled=ef),
+                  min_size=layout.EVERY_LEAF)
+  return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
+               dense_axis_name=dense_axis_name, exchange=exchange)
 
 
 # ----------------------------------------------------------------------------
@@ -419,7 +423,7 @@ class AdaQCodec(Codec):
       offsets = segment_ints(key, word, segs.sizes)
       thr = sampled_thresholds(a, segs, offsets, self.ratio, self.ratio, self.sample_ratio,
                                among_nonzero=True)
-      k = target(self.ratio, selection.segment_count(a > 0, segs))
+      k = target(self.ratio, compaction.segment_count(a > 0, segs))
       thr = refine_thresholds(a, thr, k, segs, **_ADAQ_REFINE)
       out.append(passes(a, segs.spread(thr)))
     return out
@@ -428,22 +432,22 @@ class AdaQCodec(Codec):
     plus, minus = self._masks(x, key, segs)
     if self.uses_map(segs):
       means = jnp.stack([
-          segs.sum(jnp.where(plus, x, 0.0)) / jnp.maximum(selection.segment_count(plus, segs), 1),
-          segs.sum(jnp.where(minus, x, 0.0)) / jnp.maximum(selection.segment_count(minus, segs), 1)], axis=1)
+          segs.sum(jnp.where(plus, x, 0.0)) / jnp.maximum(compaction.segment_count(plus, segs), 1),
+          segs.sum(jnp.where(minus, x, 0.0)) / jnp.maximum(compaction.segment_count(minus, segs), 1)], axis=1)
       code = plus.astype(jnp.uint8) + 2 * minus.astype(jnp.uint8)
       return means, packing.pack(code, 2)
     # Each leaf's slots go to its positives first, then to its negatives.
     n = segs.length
     caps = segment_caps(self.capacity, segs)
     cap = int(caps.sum())
-    p_idx, p, kept = selection.compact_segments(selection.pack_mask(plus), segs, caps)
-    m_idx, m, _ = selection.compact_segments(selection.pack_mask(minus), segs,
+    p_idx, p, kept = compaction.compact_segments(compaction.pack_mask(plus), segs, caps)
+    m_idx, m, _ = compaction.compact_segments(compaction.pack_mask(minus), segs,
                                              jnp.asarray(caps, jnp.int32) - kept, cap)
     slot = jnp.arange(cap, dtype=jnp.int32)
     idx = jnp.where(slot < p, p_idx, m_idx[jnp.clip(slot - p, 0, cap - 1)])
     used = slot < p + m
     idx = jnp.where(used, idx, 0)
-    seg = selection.segment_of(idx, segs)
+    seg = compaction.segment_of(idx, segs)
     vals = jnp.where(used, x[idx], 0.0)
     is_plus = slot < p
 
@@ -458,7 +462,7 @@ class AdaQCodec(Codec):
   def _sparse(self, payload, segs):
     means, idx, counts = payload
     slot = jnp.arange(idx.shape[-1], dtype=jnp.int32)
-    side = means[selection.segment_of(idx, segs)]
+    side = means[compaction.segment_of(idx, segs)]
     values = jnp.where(slot < counts[0], side[:, 0], side[:, 1])
     return values, idx, counts[1]
 
@@ -479,8 +483,8 @@ class AdaQCodec(Codec):
 
 def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0.01,
          capacity: float | None = None, encoding: str = "auto", error_feedback: bool = True,
-         seed: int = 0, bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
-         exchange: str = "gather"):
+         seed: int = 0, bucket_bytes: int | None = None, min_size: int | None = None, dense=None,
+         dense_axis_name=None, exchange: str = "gather"):
   """Adaptive quantization: the top ``ratio`` of the positives and of the negatives, two means.
 
   Each leaf's positive entries and (separately) its negative entries are
@@ -535,6 +539,6 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
   enc = _args.choice("encoding", encoding, ("auto", "indices", "map"))
   ef = _args.flag("error_feedback", error_feedback)
   codec = AdaQCodec(r, sr, cap, enc)
-  return build(Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF), axis_name, seed,
-               bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+  method = Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF)
+  return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
+               dense_axis_name=dense_axis_name, exchange=exchange)

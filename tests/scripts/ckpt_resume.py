@@ -48,7 +48,8 @@ def params0():
 
 # The complete AdamW optimizers, their phases moved early so that the checkpoint (after step 3) lands
 # inside them: 1-bit Adam frozen from step 2; 0/1 Adam's variance frozen from step 2, local steps after.
-ADAMW_CASES = {"onebit_adam": {"freeze_step": 2}, "zero_one_adam": {"var_freeze_step": 2, "local_step_scaler": 2},
+ADAMW_CASES = {"onebit_adam": {"freeze_step": 2},
+               "zero_one_adam": {"var_freeze_step": 2, "local_step_scaler": 2},
                "demo": {}}
 
 
@@ -125,7 +126,8 @@ SCATTER_METHODS = ("qsgd", "topk", "dgc")  # "name@scatter": through exchange="s
 
 def cases():
   """(name, layout) for every method under pmap, a few with exchange="scatter", and one under shard_map."""
-  return ([(name, "pmap") for name in sorted(jaxcomp.METHODS)] + [(f"{m}@scatter", "pmap") for m in SCATTER_METHODS]
+  return ([(name, "pmap") for name in sorted(jaxcomp.METHODS)]
+          + [(f"{m}@scatter", "pmap") for m in SCATTER_METHODS]
           + [(f"{m}@adamw", "pmap") for m in ADAMW_CASES] + [(SHARD_MAP_METHOD, "shard_map")])
 
 

@@ -3,7 +3,8 @@
 ``python fault_worker.py FAULT VICTIM STEP WATCHDOG_S PID_DIR``, started by
 ``jaxcomp.launch.launch``. Every process trains a small model with top-k under
 ``jax.shard_map`` over the job's devices (one per process), behind a
-``jaxcomp.launch.Watchdog(WATCHDOG_S)``, with a 10 s heartbeat timeout. At step ``STEP`` the process ``VICTIM``:
+``jaxcomp.launch.Watchdog(WATCHDOG_S)``, with a 10 s heartbeat timeout. At step
+``STEP`` the process ``VICTIM``:
 
 - ``kill``: SIGKILLs itself (a crash, an OOM kill);
 - ``exit``: ``os._exit(3)`` (it leaves without a word);
@@ -74,7 +75,8 @@ def main(fault: str, victim: int, fault_step: int, watchdog_s: float, pid_dir: s
       params, state = step(params, state, grads)
       jax.block_until_ready(params)
     except Exception as e:  # noqa: BLE001 - a collective that noticed the dead peer
-      print(f"process {me}: training failed at step {i}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+      print(f"process {me}: training failed at step {i}: {type(e).__name__}: {e}",
+            file=sys.stderr, flush=True)
       sys.exit(1)
     if i == 0:
       dog.start()  # after the first step's compilation

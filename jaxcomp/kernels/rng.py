@@ -9,7 +9,8 @@ xor ``k1``, then two rounds of the ``lowbias32`` integer hash (C. Wellons,
 the top 24 bits give the float. That is about ten integer operations per
 entry, which XLA fuses into the rounding kernel (about one memory copy for
 the draw and its use together on this machine,
-``python -m jaxcomp.bench kernels``).
+``python -m jaxcomp.bench kernels``). :func:`below` draws ints in ``[0, n)``
+from the same hash (SketchML's samples, INCEPTIONN's stream rotation).
 
 For a fixed key the map from index to hash is a bijection of uint32 (each
 step is invertible), so no two entries of one draw share a hash. The key
@@ -70,3 +71,11 @@ def to_unit(h: jax.Array) -> jax.Array:
 def uniform(key: jax.Array, shape) -> jax.Array:
   """float32 in ``[0, 1)`` per entry of ``shape``: :func:`to_unit` of :func:`bits`."""
   return to_unit(bits(key, shape))
+
+
+def below(key: jax.Array, n, shape) -> jax.Array:
+  """Uniform ints in ``[0, n)`` (int32): :func:`bits` modulo ``n``, with a modulo bias below ``n / 2**32``.
+
+  ``n``: an int, or an array of them broadcasting against ``shape``.
+  """
+  return (bits(key, shape) % jnp.asarray(n, jnp.uint32)).astype(jnp.int32)

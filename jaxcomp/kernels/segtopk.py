@@ -11,7 +11,7 @@ over the bucket that counts, per row of ``block`` entries, the entries at or
 above their segment's current guess, then sums rows into segments. After 31
 steps each segment's threshold is its ``k``-th largest magnitude exactly. The
 mask (above it, plus the first tied entries) is packed into 32-bit words and
-compacted by :func:`jaxcomp.transforms.selection.compact`: nothing of the
+compacted by :func:`jaxcomp.kernels.compaction.compact`: nothing of the
 bucket's size is sorted or scattered.
 
 References:
@@ -26,16 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp.kernels import compaction
 from jaxcomp.layout import Segments
-from jaxcomp.transforms import selection
-
-_INF_BITS = 0x7F800000
-
-
-def abs_bits(x: jax.Array) -> jax.Array:
-  """int32 bit pattern of ``|x|`` (monotonic in ``|x|``); NaN counts as 0."""
-  b = lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF
-  return jnp.where(b > _INF_BITS, 0, b)
 
 
 def kth_largest_bits(bits: jax.Array, segs: Segments, k: np.ndarray) -> jax.Array:
@@ -70,14 +62,14 @@ def segmented_topk(x: jax.Array, segs: Segments, k: np.ndarray) -> jax.Array:
   if segs.block % 32:
     raise ValueError(f"segmented_topk needs segments aligned to 32 entries, got block={segs.block}")
   k = np.asarray(k, np.int64)
-  bits = abs_bits(x)
+  bits = compaction.abs_bits(x)
   t = kth_largest_bits(bits, segs, k)
   t_entry = segs.spread(t)
-  strict = selection.pack_mask(bits > t_entry)
-  ties = selection.pack_mask(bits == t_entry) & ~strict
+  strict = compaction.pack_mask(bits > t_entry)
+  ties = compaction.pack_mask(bits == t_entry) & ~strict
   above = segs.sum((bits > t_entry).astype(jnp.int32))
   # Of the entries tied at the threshold, the first ``k - above`` of each segment (ties to lower indices).
-  kept, _ = selection.cap_segments(ties, segs, jnp.asarray(k, jnp.int32) - above)
+  kept, _ = compaction.cap_segments(ties, segs, jnp.asarray(k, jnp.int32) - above)
   words = strict | kept
-  idx, _ = selection.compact(words, segs.length, int(k.sum()))
+  idx, _ = compaction.compact(words, segs.length, int(k.sum()))
   return idx

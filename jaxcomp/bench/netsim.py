@@ -184,7 +184,12 @@ class Network:
   def nodes(self) -> int:
     return self.workers // self.per_node
 
-  def _flat(self, kind: str, nbytes: float, workers: int, link: Link) -> float:
+  def one_level(self, kind: str, nbytes: float, workers: int, link: Link) -> float:
+    """Seconds for one collective of ``kind`` among ``workers`` on ``link``, with this network's algorithm.
+
+    One level of a two-level collective (inside a node, or between nodes);
+    0 for one worker. ``kind``: all-reduce, all-gather or reduce-scatter.
+    """
     if workers == 1:
       return 0.0
     return _FLAT[(self.algorithm, kind)](nbytes, workers, link.bandwidth, link.latency)
@@ -193,27 +198,27 @@ class Network:
     """Seconds to all-reduce an ``nbytes`` buffer."""
     g, m = self.per_node, self.nodes
     if g == 1:
-      return self._flat("all-reduce", nbytes, m, self.link)
-    return (self._flat("reduce-scatter", nbytes, g, self.intra)
-            + self._flat("all-reduce", nbytes, m, self.link)
-            + self._flat("all-gather", nbytes / g, g, self.intra))
+      return self.one_level("all-reduce", nbytes, m, self.link)
+    return (self.one_level("reduce-scatter", nbytes, g, self.intra)
+            + self.one_level("all-reduce", nbytes, m, self.link)
+            + self.one_level("all-gather", nbytes / g, g, self.intra))
 
   def allgather(self, nbytes: float) -> float:
     """Seconds to all-gather ``nbytes`` from every worker."""
     g, m = self.per_node, self.nodes
     if g == 1:
-      return self._flat("all-gather", nbytes, m, self.link)
-    return (self._flat("all-gather", nbytes, g, self.intra)
-            + self._flat("all-gather", g * nbytes, m, self.link)
-            + self._flat("all-gather", (m - 1) * nbytes, g, self.intra))
+      return self.one_level("all-gather", nbytes, m, self.link)
+    return (self.one_level("all-gather", nbytes, g, self.intra)
+            + self.one_level("all-gather", g * nbytes, m, self.link)
+            + self.one_level("all-gather", (m - 1) * nbytes, g, self.intra))
 
   def reduce_scatter(self, nbytes: float) -> float:
     """Seconds to reduce-scatter an ``nbytes`` buffer."""
     g, m = self.per_node, self.nodes
     if g == 1:
-      return self._flat("reduce-scatter", nbytes, m, self.link)
-    return (self._flat("reduce-scatter", nbytes, g, self.intra)
-            + self._flat("reduce-scatter", nbytes, m, self.link))
+      return self.one_level("reduce-scatter", nbytes, m, self.link)
+    return (self.one_level("reduce-scatter", nbytes, g, self.intra)
+            + self.one_level("reduce-scatter", nbytes, m, self.link))
 
   def collective(self, kind: str, nbytes: float) -> float:
     """Seconds for one collective of ``kind`` (an HLO name) moving ``nbytes`` per worker.
@@ -230,7 +235,9 @@ class Network:
     if kind == "reduce-scatter":
       return self.reduce_scatter(nbytes)
     if kind == "all-to-all":
-      return alltoall(nbytes, self.workers, self.link.bandwidth, self.link.latency) if self.workers > 1 else 0.0
+      if self.workers == 1:
+        return 0.0
+      return alltoall(nbytes, self.workers, self.link.bandwidth, self.link.latency)
     if kind == "collective-permute":
       return permute(nbytes, self.workers, self.link.bandwidth, self.link.latency)
     raise ValueError(f"kind must be one of {KINDS}, got kind={kind!r}")
@@ -267,17 +274,17 @@ def hierarchical_time(slow: Traffic, dense_bytes: float, network: Network, chunk
     raise ValueError("hierarchical_time needs a two-level network (per_node > 1, intra=...)")
   g, m = network.per_node, network.nodes
   if chunked:
-    inside = (network._flat("reduce-scatter", dense_bytes, g, network.intra)
-              + network._flat("all-gather", dense_bytes / g, g, network.intra))
+    inside = (network.one_level("reduce-scatter", dense_bytes, g, network.intra)
+              + network.one_level("all-gather", dense_bytes / g, g, network.intra))
   else:
-    inside = network._flat("all-reduce", dense_bytes, g, network.intra)
+    inside = network.one_level("all-reduce", dense_bytes, g, network.intra)
   between = 0.0
   for kind, b in _entries(slow):
     if b <= 0:
       continue
     if kind not in ("all-reduce", "all-gather", "reduce-scatter"):
       raise ValueError(f"slow collectives must be all-reduce, all-gather or reduce-scatter, got {kind!r}")
-    between += network._flat(kind, g * b, m, network.link)
+    between += network.one_level(kind, g * b, m, network.link)
   return float(inside + between)
 
 

@@ -12,11 +12,34 @@ Each worker keeps its momentum local and never averages it with the others':
 5. ``p <- p - lr * (sign(mean fast components) + weight_decay * p)``.
 
 In jaxcomp's terms the momentum is the error-feedback memory with
-``beta = decay`` (:class:`jaxcomp.core.Memory` computes ``x = decay * e + g``
+``beta = decay`` (:class:`jaxcomp.protocol.Memory` computes ``x = decay * e + g``
 and keeps ``e <- x - sent``), and steps 2-4 are one codec,
 :class:`DCTTopKCodec`, moved by the generic builder (:func:`jaxcomp.build`);
 :func:`demo` chains the sign, the decoupled weight decay and the learning
 rate after it into a complete optimizer.
+
+The optimizer is an ``optax`` chain of the compressor, ``optax.scale_by_sign``,
+``optax.add_decayed_weights`` (``optax.identity`` when ``weight_decay`` is 0)
+and ``optax.scale_by_learning_rate``: apply its updates with
+``optax.apply_updates``, and pass ``params`` to ``update`` when
+``weight_decay`` is nonzero. ``.compressor`` is the jaxcomp transformation
+inside (:func:`jaxcomp.wire_bytes` and :func:`jaxcomp.memory_tree` read it;
+its state is the chain state's first entry). A non-finite gradient on any
+worker makes every update NaN on every worker and leaves the momentum
+finite (see :func:`jaxcomp.build`).
+
+Bytes: a tile of ``chunk**2`` entries sends ``topk`` values and ``topk``
+positions: with the defaults (64 x 64 tiles, 32 bfloat16 values and uint16
+positions) 128 bytes for 4096 entries, 128x fewer than float32. Small
+leaves are padded to a whole tile; with ``min_size=0`` they are compressed
+too, still fewer bytes than dense (a 64-entry bias: 128 bytes, against 512
+for its 128-entry dense row). On a char-level transformer (vocab 93, width
+64, context 64, 2 layers, MLP 256: 116,189 parameters in 38 leaves, 52
+tiles), ``jaxcomp.wire_bytes(demo(1e-3, axis_name="data"), params)`` is
+6,660 bytes (52 * 128 + the 4-byte non-finite flag) against 470,528 for
+``jaxcomp.none(axis_name="data")``: 70.6x fewer (``tests/test_demo.py``
+computes it). With the library's default ``min_size`` (1024) its 23 small
+leaves would travel dense: 16,516 bytes, 28.5x.
 
 Deviations from the reference implementation (github.com/bloc97/DeMo):
 
@@ -51,12 +74,14 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomp.builder import build
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.core import (Codec, CodecExchange, CompressedOptimizer, Memory, Method, build,
-                          compressed_optimizer, flat_route)
 from jaxcomp.layout import Segments
+from jaxcomp.method import Method
+from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.scatter import EXCHANGES
+from jaxcomp.transformation import CompressedOptimizer, compressed_optimizer
 from jaxcomp.transforms import _args
 
 VALUE_DTYPES = ("float32", "bfloat16", "float16")
@@ -174,33 +199,8 @@ def demo(learning_rate: float | optax.Schedule, compression_decay: float = 0.999
   from ``m``, and all-gathers them; every worker decodes the mean of all
   workers' fast components and steps
   ``p <- p - lr * (sign(mean) + weight_decay * p)`` (decoupled weight decay).
-  The momentum is jaxcomp's error-feedback memory with ``beta = decay``; see
-  :mod:`jaxcomp.transforms.demo` for the codec and the deviations from the
-  reference implementation (contiguous tiles of the flat bucket rather than
-  2-D tiles of each matrix; a mean over all workers).
-
-  The result is a complete optimizer (an ``optax`` chain of the compressor,
-  ``optax.scale_by_sign``, ``optax.add_decayed_weights`` (``optax.identity``
-  when ``weight_decay`` is 0) and ``optax.scale_by_learning_rate``): apply its updates with
-  ``optax.apply_updates``, and pass ``params`` to ``update`` when
-  ``weight_decay`` is nonzero. ``.compressor`` is the jaxcomp transformation
-  inside (:func:`jaxcomp.wire_bytes` and :func:`jaxcomp.memory_tree` read it;
-  its state is the chain state's first entry). A non-finite gradient on any
-  worker makes every update NaN on every worker and leaves the momentum
-  finite (see :func:`jaxcomp.build`).
-
-  Bytes: a tile of ``chunk**2`` entries sends ``topk`` values and ``topk``
-  positions: with the defaults (64 x 64 tiles, 32 bfloat16 values and uint16
-  positions) 128 bytes for 4096 entries, 128x fewer than float32. Small
-  leaves are padded to a whole tile; with ``min_size=0`` they are compressed
-  too, still fewer bytes than dense (a 64-entry bias: 128 bytes, against 512
-  for its 128-entry dense row). On a char-level transformer (vocab 93, width
-  64, context 64, 2 layers, MLP 256: 116,189 parameters in 38 leaves, 52
-  tiles), ``jaxcomp.wire_bytes(demo(1e-3, axis_name="data"), params)`` is
-  6,660 bytes (52 * 128 + the 4-byte non-finite flag) against 470,528 for
-  ``jaxcomp.none(axis_name="data")``: 70.6x fewer (``tests/test_demo.py``
-  computes it). With the library's default ``min_size`` (1024) its 23 small
-  leaves would travel dense: 16,516 bytes, 28.5x.
+  See :mod:`jaxcomp.optimizers.demo` for the codec, the optimizer's chain,
+  the bytes and the deviations from the reference implementation.
 
   Args:
     learning_rate: the step size, a float > 0 or an optax schedule.
@@ -217,14 +217,14 @@ def demo(learning_rate: float | optax.Schedule, compression_decay: float = 0.999
     seed: seeds the compressor's key (DeMo itself draws nothing).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`;
       ``min_size`` defaults to 0 here (every leaf compressed, as the
-      reference does; see Bytes above).
+      reference does; see Bytes in :mod:`jaxcomp.optimizers.demo`).
     exchange: ``"gather"`` (all-gather the sparse coefficients, as the
       reference) or ``"scatter"`` (bytes per worker flat in the number of
       workers: each chunk's mean is compressed again by its owner), see
       :mod:`jaxcomp.scatter`.
 
   Returns:
-    A :class:`jaxcomp.core.CompressedOptimizer`.
+    A :class:`jaxcomp.transformation.CompressedOptimizer`.
 
   References:
     Peng, Quesnelle & Kingma, *DeMo: Decoupled Momentum Optimization*, 2024

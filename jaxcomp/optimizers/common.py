@@ -1,0 +1,25 @@
+"""What 1-bit Adam and 0/1 Adam share: Adam's settings checked, and the codec that moves their payload."""
+
+from __future__ import annotations
+
+import inspect
+
+from jaxcomp.registry import METHODS
+from jaxcomp.transforms import _args
+
+
+def adam_args(learning_rate, b1, b2, eps, weight_decay):
+  """Adam's settings checked (errors name the argument)."""
+  if not callable(learning_rate):
+    _args.positive("learning_rate", learning_rate)
+  return (_args.unit_interval("b1", b1), _args.unit_interval("b2", b2), _args.positive("eps", eps),
+          _args.positive("weight_decay", weight_decay, allow_zero=True))
+
+
+def codec_compressor(codec: str, axis_name, exchange: str, seed: int, codec_kwargs: dict):
+  """The jaxcomp transformation ``codec`` over ``axis_name`` that moves an optimizer's payload."""
+  codec = _args.choice("codec", codec, tuple(m for m in METHODS if m != "none"))
+  factory = METHODS[codec]
+  if "seed" in inspect.signature(factory).parameters:
+    codec_kwargs = {**codec_kwargs, "seed": seed}
+  return factory(axis_name=axis_name, exchange=exchange, **codec_kwargs)

@@ -1,0 +1,29 @@
+"""The registry of methods: name -> factory, for the benchmarks, the recipes and the ``--method`` flags."""
+
+from jaxcomp.transforms.acpsgd import acpsgd
+from jaxcomp.transforms.codes import inceptionn, sketchml
+from jaxcomp.transforms.dense import bf16, fp16, none
+from jaxcomp.transforms.dgc import dgc
+from jaxcomp.transforms.lowrank import powersgd
+from jaxcomp.transforms.quantize import natural, qsgd, terngrad, u8bit
+from jaxcomp.transforms.redsync import redsync
+from jaxcomp.transforms.sbc import sbc
+from jaxcomp.transforms.sign import efsignsgd, onebit, signsgd, signum
+from jaxcomp.transforms.sparse import randomk, topk
+from jaxcomp.transforms.threshold import adaq, threshold
+
+METHODS = {
+    # dense baselines
+    "none": none, "fp16": fp16, "bf16": bf16,
+    # sparsifiers
+    "topk": topk, "randomk": randomk, "threshold": threshold, "dgc": dgc, "adaq": adaq,
+    # quantizers
+    "qsgd": qsgd, "terngrad": terngrad, "natural": natural, "u8bit": u8bit, "sketchml": sketchml,
+    "inceptionn": inceptionn,
+    # sign methods
+    "signsgd": signsgd, "efsignsgd": efsignsgd, "signum": signum, "onebit": onebit,
+    # low rank
+    "powersgd": powersgd, "acpsgd": acpsgd,
+    # systems
+    "redsync": redsync, "sbc": sbc,
+}

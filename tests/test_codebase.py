@@ -1,0 +1,130 @@
+"""The shape of the codebase (issue 23): no import circles, short functions, small modules,
+declared plugins.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxcomp"
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+CAPABILITIES = {"needs_workers", "masks", "vmappable", "psums", "all_reduces", "scatter_codec", "owner_codec",
+                "wants_params", "selects", "carries_nonfinite", "linear", "shared_key", "block", "uses_mean",
+                "method", "dense_axis_name", "axis_name", "compressor"}
+
+
+def _modules():
+  out = {}
+  for path in sorted(ROOT.rglob("*.py")):
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    out[name] = (path, ast.parse(path.read_text(), str(path)))
+  return out
+
+
+MODULES = _modules()
+
+
+def _imports(name, tree):
+  """Every jaxcomp module ``name`` imports, at the top or inside a function."""
+  package = name if MODULES[name][0].name == "__init__.py" else name.rpartition(".")[0]
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                        + ([base] if base else []))
+      subs = {f"{base}.{a.name}" for a in node.names}
+      out |= subs & set(MODULES)
+      if not subs <= set(MODULES):  # a name defined in ``base`` itself (its __init__ for a package)
+        out.add(base)
+  return {m for m in out if m in MODULES and m != name}
+
+
+def _cycle(graph):
+  state = {}
+
+  def visit(n, stack):
+    state[n] = 1
+    for m in sorted(graph[n]):
+      if state.get(m) == 1:
+        return stack[stack.index(m):] + [m]
+      if m not in state:
+        found = visit(m, stack + [m])
+        if found:
+          return found
+    state[n] = 2
+    return None
+
+  for n in sorted(graph):
+    if n not in state:
+      found = visit(n, [n])
+      if found:
+        return found
+  return None
+
+
+def test_no_import_circles():
+  graph = {name: _imports(name, tree) for name, (_, tree) in MODULES.items()}
+  # a package imports its submodules by importing them; a submodule importing its package's
+  # __init__ (``from jaxcomp import X``) is an edge to it as well
+  assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
+
+
+def test_functions_short():
+  long = []
+  for name, (_, tree) in MODULES.items():
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        n = node.end_lineno - node.lineno + 1
+        if n > MAX_FUNCTION_LINES:
+          long.append(f"{name}.{node.name}: {n} lines")
+  assert not long, long
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_small(name):
+  path = MODULES[name][0]
+  assert len(path.read_text().splitlines()) <= MAX_MODULE_LINES, path
+
+
+def test_no_capability_probes():
+  """Plugin capabilities are declared on the base classes (jaxcomp.protocol), never probed with getattr."""
+  probes = []
+  for name, (_, tree) in MODULES.items():
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+          node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 and \
+          isinstance(node.args[1], ast.Constant) and node.args[1].value in CAPABILITIES:
+        probes.append(f"{name}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+  assert not probes, probes
+
+
+def test_private_names_stay_home():
+  """No module imports another module's private name (a leading underscore)."""
+  crossing = []
+  for name, (_, tree) in MODULES.items():
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxcomp"):
+        crossing += [f"{name}: from {node.module} import {a.name}" for a in node.names
+                     if a.name.startswith("_") and not a.name.startswith("__")
+                     and a.name != "_args"]
+  assert not crossing, crossing
+
+
+def test_ruff_clean():
+  """Line length and import order (pyproject.toml's [tool.ruff]) hold across the project."""
+  import shutil
+  import subprocess
+  import sys
+
+  ruff = shutil.which("ruff") or str(pathlib.Path(sys.executable).with_name("ruff"))
+  root = ROOT.parent
+  out = subprocess.run([ruff, "check", "jaxcomp", "tests", "examples", "benchmarks"], cwd=root,
+                       capture_output=True, text=True)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]

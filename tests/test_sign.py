@@ -1,0 +1,210 @@
+"""jaxcomp.transforms.sign: signsgd, signum and onebit (GRACE's sign methods).
+
+Each deterministic method is checked against a numpy version of its algorithm
+over a few steps on 8 workers; majority-vote ties; signsgd's error feedback.
+"""
+
+import functools
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomp
+
+N, AXIS = harness.N, harness.AXIS
+STEPS = 3
+
+
+@functools.cache
+def pmapped(name):
+  """The transforms of the numpy comparisons, shared with the pmap == shard_map test (one compile)."""
+  return {
+      "onebit": lambda: jaxcomp.onebit(axis_name=AXIS),
+      "signum": lambda: jaxcomp.signum(momentum=0.9, axis_name=AXIS),
+  }[name]()
+
+
+def small_params():
+  """Leaves of at most 128 entries: each is its own threshold sample (exact selection)."""
+  return {"w": jnp.zeros((10, 10), jnp.float32), "b": jnp.zeros((24,), jnp.float32)}
+
+
+def step_grads(params, step):
+  return jax.tree.map(np.asarray, harness.worker_grads(params, seed=100 + step))
+
+
+def memory_trees(tx, state, params):
+  """``state`` (stacked over workers) with its memory read as trees like ``params`` (see memory_tree)."""
+  if not jax.tree.leaves(state.memory):
+    return state
+  read = jax.vmap(lambda m: jaxcomp.memory_tree(tx, state._replace(memory=m), params))
+  return state._replace(memory=read(state.memory))
+
+
+def run_steps(tx, params, steps=STEPS):
+  """Runs ``tx`` under pmap; returns [(grads, out, state)] per step (numpy, memory as trees)."""
+  state = harness.init_stacked(tx, params)
+  trace = []
+  for t in range(steps):
+    g = step_grads(params, t)
+    out, state = harness.run_pmap(tx, g, state)
+    harness.assert_replicas_equal(out)
+    state_np = jax.tree.map(np.asarray, memory_trees(tx, state, params))
+    trace.append((g, jax.tree.map(np.asarray, out), state_np))
+  return trace
+
+
+def check_against(trace, reference):
+  """``reference(g, mem) -> (mean, mem)`` applied leaf by leaf, compared with the trace.
+
+  ``mem`` is the leaf's memory: an array, or a tuple of arrays for DGC (u, v).
+  """
+  names = list(trace[0][0])
+  mem = {k: None for k in names}
+  for g, out, state in trace:
+    for k in names:
+      mean, mem[k] = reference(g[k].astype(np.float32), mem[k])
+      np.testing.assert_allclose(out[k][0], mean, rtol=1e-5, atol=1e-6, err_msg=k)
+      got = state.memory
+      got = tuple(m[k] for m in got) if isinstance(got, tuple) else (got[k],)
+      want = mem[k] if isinstance(mem[k], tuple) else (mem[k],)
+      for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+# ----------------------------------------------------------------------------
+# numpy references
+
+
+def np_onebit(g, e):
+  x = g + (0 if e is None else e)
+  flat = x.reshape(N, -1)
+  neg = flat < 0
+  mean_neg = np.where(neg, flat, 0).sum(1) / np.maximum(neg.sum(1), 1)
+  mean_pos = np.where(neg, 0, flat).sum(1) / np.maximum((~neg).sum(1), 1)
+  dec = np.where(neg, mean_neg[:, None], mean_pos[:, None]).reshape(x.shape)
+  return dec.mean(0), x - dec
+
+
+def np_signum(beta):
+  def ref(g, m):
+    m = (1 - beta) * g + (0 if m is None else beta * m)
+    return np.sign(np.where(m >= 0, 1, -1).sum(0)).astype(np.float32), m
+  return ref
+
+
+# ----------------------------------------------------------------------------
+# against numpy, 8 workers, 3 steps
+
+
+def test_onebit_matches_numpy():
+  check_against(run_steps(pmapped("onebit"), small_params()), np_onebit)
+
+
+def test_signum_matches_numpy():
+  check_against(run_steps(pmapped("signum"), small_params()), np_signum(0.9))
+
+
+def _tied_grads(params):
+  """Half the workers +1, half -1 on even entries (a tied vote); all +1 or all -1 elsewhere."""
+  def one(p):
+    n = max(p.size, 1)
+    sign = np.where(np.arange(N) < N // 2, 1.0, -1.0)[:, None]
+    tied = np.arange(n)[None, :] % 2 == 0
+    clear = np.where(np.arange(n) % 4 == 1, 1.0, -1.0)[None, :]
+    g = np.where(tied, sign, clear) * (1.0 + np.arange(n)[None, :] % 3)
+    return g.reshape((N,) + p.shape).astype(np.float32)
+  return jax.tree.map(one, params)
+
+
+@pytest.mark.parametrize("name", ["signsgd", "signum"])
+def test_majority_vote_ties(name):
+  """A tie gives 0 by default and +1 with ties="positive" (GRACE's sum >= 0 -> +1)."""
+  params = small_params()
+  g = _tied_grads(params)
+  kwargs = {"momentum": 0.0} if name == "signum" else {}
+  for ties in ("zero", "positive"):
+    tx = jaxcomp.METHODS[name](axis_name=AXIS, ties=ties, **kwargs)
+    out, _ = harness.run_pmap(tx, g, harness.init_stacked(tx, params))
+    harness.assert_replicas_equal(out)
+    for k in g:
+      votes = np.where(g[k] >= 0, 1, -1).sum(0)
+      want = np.sign(votes) if ties == "zero" else np.where(votes >= 0, 1.0, -1.0)
+      assert (votes == 0).any() and (votes != 0).any()
+      np.testing.assert_array_equal(out[k][0], want, err_msg=f"{k} {ties}")
+
+
+def test_signsgd_error_feedback_stays_in_gradient_units():
+  """The residual is x - mean|x| sign(x): a constant gradient 0.01 comes out as 0.01 every step."""
+  params = small_params()
+  tx = jaxcomp.signsgd(error_feedback=True)
+  g = jax.tree.map(lambda p: jnp.full(p.shape, 0.01, jnp.float32), params)
+  state = tx.init(params)
+  for _ in range(4):
+    out, state = harness.local_round_trip(tx, g, state)
+    for k in g:
+      np.testing.assert_allclose(out[k], 0.01, rtol=1e-6)
+  # Conservation on random gradients: sent + new residual == old residual + gradient.
+  state = tx.init(params)
+  for t in range(3):
+    grads = jax.tree.map(lambda a: a[0], step_grads(params, t))
+    before = jaxcomp.memory_tree(tx, state, params)
+    out, state = harness.local_round_trip(tx, grads, state)
+    after = jaxcomp.memory_tree(tx, state, params)
+    for k in grads:
+      x = np.asarray(before[k]) + grads[k]
+      np.testing.assert_allclose(np.asarray(out[k]) + np.asarray(after[k]), x, rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(np.asarray(out[k]), np.mean(np.abs(x)) * np.where(x >= 0, 1.0, -1.0),
+                                 rtol=1e-6, atol=1e-7)
+  # Over 8 workers: the vote times the workers' mean scale of each leaf, and one float32 scale per leaf.
+  tx = jaxcomp.signsgd(error_feedback=True, axis_name=AXIS)
+  grads = step_grads(params, 0)
+  out, _ = harness.run_pmap(tx, grads, harness.init_stacked(tx, params))
+  for k in grads:
+    flat = grads[k].reshape(N, -1)
+    scale = np.abs(flat).mean(1).mean()
+    want = np.sign(np.where(flat >= 0, 1, -1).sum(0)) * scale
+    np.testing.assert_allclose(out[k][0].reshape(-1), want, rtol=1e-5, atol=1e-7)
+  # Each leaf padded to 128 entries (1 bit each), two float32 scales, the 4-byte non-finite flag.
+  assert jaxcomp.wire_bytes(tx, params) == 2 * 128 // 8 + 2 * 4 + 4
+
+
+# ----------------------------------------------------------------------------
+# pmap == shard_map, wire bytes == nominal
+
+
+METHODS = ["signum", "onebit"]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_pmap_equals_shard_map_and_wire_bytes(name):
+  params = small_params()  # test_properties covers harness.params_tree()
+  tx = pmapped(name)  # the defaults are covered by test_properties
+  sp = sm = harness.init_stacked(tx, params)
+  for t in range(2):
+    g = harness.worker_grads(params, seed=t)
+    out_p, sp = harness.run_pmap(tx, g, sp)
+    out_s, sm = harness.run_shard_map(tx, g, sm)
+    harness.assert_replicas_equal(out_p)
+    harness.assert_trees_close(out_p, out_s, rtol=0, atol=0)
+    harness.assert_trees_close(sp, sm, rtol=0, atol=0)
+  assert harness.pmap_wire_bytes(tx, params)["total"] == jaxcomp.wire_bytes(tx, params)
+
+
+# ----------------------------------------------------------------------------
+# bad arguments
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: jaxcomp.signum(momentum=1.5), ValueError, "momentum must be in"),
+    (lambda: jaxcomp.signum(momentum=True), TypeError, "momentum must be"),
+    (lambda: jaxcomp.signum(ties="up"), ValueError, r"ties must be one of \('zero', 'positive'\)"),
+    (lambda: jaxcomp.signsgd(ties=0), ValueError, "ties must be one of"),
+    (lambda: jaxcomp.onebit(error_feedback="yes"), TypeError, "error_feedback must be"),
+])
+def test_bad_arguments(call, exc, match):
+  with pytest.raises(exc, match=match):
+    call()
