@@ -21,7 +21,7 @@ from jaxcomp.protocol import CompressState
 from jaxcomp.rebuild import configure, staged, steady
 from jaxcomp.recipes import recipe, recipe_method
 from jaxcomp.registry import METHODS
-from jaxcomp.scatter import EXCHANGES
+from jaxcomp.scatter import TRANSPORTS
 from jaxcomp.sharding import local, per_worker, stacked
 from jaxcomp.transformation import CompressionTransformation, compressor, memory_tree, method_of
 from jaxcomp.transforms.acpsgd import acpsgd
@@ -92,7 +92,7 @@ __all__ = [
     "per_worker",
     "stacked",
     # bytes
-    "EXCHANGES",
+    "TRANSPORTS",
     "collective_bytes",
     "measure_wire_bytes",
     "received_bytes",

@@ -28,7 +28,7 @@ def wire_bytes(tx: Any, params: Any, step: int | None = None, workers: int | Non
   (a program with a warm-up or stages holds every stage's collectives).
   ``step``: the bytes at that step (a warm-up or an earlier stage); None,
   the steady state (the last stage). ``workers``: the number of workers N,
-  needed with ``exchange="scatter"``, whose worker hands N chunk payloads to
+  needed with ``transport="scatter"``, whose worker hands N chunk payloads to
   an all-to-all and one to an all-gather (each about 1/N of the bucket's).
   A complete optimizer (``onebit_adam``, ``demo``) counts its ``.compressor``; any other optax
   transformation (a chain...) the one jaxcomp transformation it holds (:func:`compressor`).
@@ -52,7 +52,7 @@ def wire_bytes_by_axis(tx: Any, params: Any, dense_axis_size: int, step: int | N
   (:mod:`jaxcomp.hierarchy`) and only the compressed chunks cross the slow
   axis; methods that are not chunked (PowerSGD, ACP-SGD) all-reduce every
   bucket over the fast axis and exchange it whole over the slow one.
-  ``workers``: the slow axis's size, needed with ``exchange="scatter"``.
+  ``workers``: the slow axis's size, needed with ``transport="scatter"``.
   ``tx`` may be any optax transformation holding one (see :func:`compressor`).
   """
   inner, params = compressor_and_params(tx, params)

@@ -34,7 +34,7 @@ from jaxcomp.transformation import CompressionTransformation, Settings, record_i
 
 def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
           min_size: int | None = None, dense: Any = None,
-          dense_axis_name: AxisName = None, exchange: str | None = None) -> CompressionTransformation:
+          dense_axis_name: AxisName = None, transport: str | None = None) -> CompressionTransformation:
   """Assembles ``method`` into an optax transformation communicating over ``axis_name``.
 
   Args:
@@ -51,7 +51,7 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
     dense_axis_name: a fast axis (inside a node) averaged densely before the
       compressed exchange over ``axis_name`` (between nodes); call ``tx.init``
       inside the mesh too: each worker's state holds its chunk of every bucket.
-    exchange: ``"gather"`` (all-gather every worker's payload) or
+    transport: ``"gather"`` (all-gather every worker's payload) or
       ``"scatter"`` (bytes flat in N, :mod:`jaxcomp.scatter`); None keeps the method's.
 
   Returns:
@@ -67,7 +67,7 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
   all-reduce per step for it, counted by :func:`jaxcomp.wire_bytes`.
   """
   settings = checks.settings(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name,
-                             exchange)
+                             transport)
   tx = CompressionTransformation(lambda params: _init(tx, params),
                                  lambda updates, state, params=None: _update(tx, updates, state, params),
                                  settings)

@@ -35,7 +35,7 @@ def positive_int(name, value, low):
 
 
 def settings(method: Method, axis_name: AxisName, seed: int, bucket_bytes, min_size, dense,
-             dense_axis_name: AxisName, exchange) -> Settings:
+             dense_axis_name: AxisName, transport) -> Settings:
   """:func:`jaxcomp.build`'s arguments, checked, in one frozen object."""
   axis_name = check_axis_name(axis_name)
   dense_axis_name = check_axis_name(dense_axis_name, "dense_axis_name")
@@ -56,10 +56,10 @@ def settings(method: Method, axis_name: AxisName, seed: int, bucket_bytes, min_s
     if not flags or not all(isinstance(f, (bool, np.bool_)) for f in flags):
       raise ValueError("dense must be None, a pytree of bools like the gradients (an optax-style"
                        f" mask) or a callable returning one, got dense={dense!r}")
-  if exchange is not None and not isinstance(exchange, str):
-    raise ValueError(f"exchange must be one of {scatter.EXCHANGES}, got exchange={exchange!r}")
+  if transport is not None and not isinstance(transport, str):
+    raise ValueError(f"transport must be one of {scatter.TRANSPORTS}, got transport={transport!r}")
   method = dataclasses.replace(
-      method.with_exchange(exchange),
+      method.with_transport(transport),
       bucket_bytes=method.bucket_bytes if bucket_bytes is None else bucket_bytes,
       min_size=method.min_size if min_size is None else min_size,
       dense=method.dense if dense is None else dense)

@@ -34,7 +34,7 @@ class Method:
   ``stages``: ``(first step, route)`` of each later stage of a schedule (see
   :func:`jaxcomp.staged`); ``route`` is the first stage's. Every stage lays the
   leaves out alike, so the memory and the exchanges' state carry over.
-  ``bucket_bytes``, ``min_size``, ``dense``, ``exchange``: see :func:`jaxcomp.build`.
+  ``bucket_bytes``, ``min_size``, ``dense``, ``transport``: see :func:`jaxcomp.build`.
   """
 
   name: str
@@ -47,7 +47,7 @@ class Method:
   bucket_bytes: int = layout.BUCKET_BYTES
   min_size: int | None = None
   dense: Any = None
-  exchange: str = "gather"
+  transport: str = "gather"
 
   def buckets(self, updates: Any, stage: int = 0) -> Tuple[layout.Bucket, ...]:
     """The bucket layout of a gradient tree (static: shapes and the dense mask only).
@@ -100,7 +100,7 @@ class Method:
     and only when some bucket's exchange does not carry NaN/Inf by itself.
     ``step``: the bytes of the step ``step`` (its stage, or the dense
     warm-up); None, the last stage's (the steady state). ``workers``: the
-    number of workers, needed by ``exchange="scatter"`` (its chunks are 1/N).
+    number of workers, needed by ``transport="scatter"`` (its chunks are 1/N).
     """
     stage = len(self.stages) if step is None else self.stage_at(step)
     buckets = self.buckets(params, stage or 0)
@@ -123,24 +123,24 @@ class Method:
             " first stage (a different bucket policy or block size); every stage must use the same"
             " method with the same bucket_bytes, min_size and dense")
 
-  def with_exchange(self, exchange: str | None) -> "Method":
-    """This method with the gathered exchanges in the form ``exchange`` names ("gather" or "scatter")."""
-    if exchange is None or exchange == self.exchange:
+  def with_transport(self, transport: str | None) -> "Method":
+    """This method with the gathered exchanges in the form ``transport`` names ("gather" or "scatter")."""
+    if transport is None or transport == self.transport:
       return self
-    if exchange not in scatter.EXCHANGES:
-      raise ValueError(f"exchange must be one of {scatter.EXCHANGES}, got exchange={exchange!r}")
-    if exchange == "gather":
+    if transport not in scatter.TRANSPORTS:
+      raise ValueError(f"transport must be one of {scatter.TRANSPORTS}, got transport={transport!r}")
+    if transport == "gather":
       unwrap = lambda r: r.route if isinstance(r, scatter.ScatterRoute) else r  # noqa: E731
-      return dataclasses.replace(self, route=unwrap(self.route), exchange="gather",
+      return dataclasses.replace(self, route=unwrap(self.route), transport="gather",
                                  stages=tuple((f, unwrap(r)) for f, r in self.stages))
     if self.fused is not None:
-      raise ValueError(f"exchange='scatter' is not available for {self.name}: its fused exchange"
-                       " all-reduces every layer's factors already; use exchange='gather'")
+      raise ValueError(f"transport='scatter' is not available for {self.name}: its fused exchange"
+                       " all-reduces every layer's factors already; use transport='gather'")
     for route in [self.route] + [r for _, r in self.stages]:
       for shape in ((1 << 14,), (128, 128), (3, 3, 64, 64)):  # the exchanges of a typical model's leaves
         scatter.scatter_form(route(shape)[0], self.name)  # raises where there is no scatter form
     wrap = lambda r: scatter.ScatterRoute(r, self.name)  # noqa: E731
-    return dataclasses.replace(self, route=wrap(self.route), exchange="scatter",
+    return dataclasses.replace(self, route=wrap(self.route), transport="scatter",
                                stages=tuple((f, wrap(r)) for f, r in self.stages))
 
 

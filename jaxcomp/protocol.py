@@ -170,12 +170,12 @@ class Codec(abc.ABC):
   False: run one chunk after another (``lax.map``)."""
 
   selects: bool = False
-  """A selection (a sparsifier): under ``exchange="scatter"`` what a chunk's
+  """A selection (a sparsifier): under ``transport="scatter"`` what a chunk's
   owner does not select goes back to the workers that sent it."""
 
   @property
   def owner_codec(self) -> "Codec":
-    """What a chunk owner sends of its reduced chunk under ``exchange="scatter"`` (itself by default)."""
+    """What a chunk owner sends of its reduced chunk under ``transport="scatter"`` (itself by default)."""
     return self
 
   @abc.abstractmethod
@@ -261,7 +261,7 @@ class Exchange(abc.ABC):
     """Nominal bytes one worker hands to collectives for the bucket (``workers``: N, where it matters)."""
 
   def scatter_codec(self, ctx: Ctx | None) -> Codec | None:
-    """The codec ``exchange="scatter"`` runs in this exchange's place (``ctx`` None: for sizes only).
+    """The codec ``transport="scatter"`` runs in this exchange's place (``ctx`` None: for sizes only).
 
     None (the default): the exchange has no scatter form.
     """

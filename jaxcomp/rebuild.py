@@ -14,7 +14,7 @@ from jaxcomp.transformation import CompressionTransformation, transformation
 
 
 def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None = None,
-              dense_axis_name: AxisName = None, exchange: str | None = None):
+              dense_axis_name: AxisName = None, transport: str | None = None):
   """``tx`` rebuilt with another memory or a warm-up; every other setting kept.
 
   Args:
@@ -28,7 +28,7 @@ def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None =
       ``start_powerSGD_iter``); the program holds both paths, compiled once.
     dense_axis_name: a fast axis averaged densely first (see :func:`build`);
       None keeps the transformation's.
-    exchange: ``"gather"`` or ``"scatter"`` (see :func:`build`); None keeps
+    transport: ``"gather"`` or ``"scatter"`` (see :func:`build`); None keeps
       the transformation's.
 
   Returns:
@@ -54,7 +54,7 @@ def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None =
     method = dataclasses.replace(method, start_step=int(start_step))
   if dense_axis_name is None:
     dense_axis_name = tx.dense_axis_name
-  return build(method, tx.axis_name, tx.seed, dense_axis_name=dense_axis_name, exchange=exchange)
+  return build(method, tx.axis_name, tx.seed, dense_axis_name=dense_axis_name, transport=transport)
 
 
 def staged(stages: Sequence[Tuple[int, Any]]) -> CompressionTransformation:
@@ -104,11 +104,12 @@ def staged(stages: Sequence[Tuple[int, Any]]) -> CompressionTransformation:
     same = (m.name == head.name and tx.axis_name == tx0.axis_name
             and tx.dense_axis_name == tx0.dense_axis_name
             and type(m.memory) is type(head.memory) and vars(m.memory) == vars(head.memory)
-            and (m.bucket_bytes, m.min_size, m.exchange) == (head.bucket_bytes, head.min_size, head.exchange))
+            and (m.bucket_bytes, m.min_size, m.transport)
+            == (head.bucket_bytes, head.min_size, head.transport))
     if not same:
       raise ValueError(
           f"stages: the stage from step {f} ({m.name}) differs from the first ({head.name}) in the"
-          " method, axis_name, memory, exchange or bucket policy; only the method's other settings"
+          " method, axis_name, memory, transport or bucket policy; only the method's other settings"
           " may change")
   method = dataclasses.replace(head, stages=tuple((f, m.route) for f, m in zip(firsts[1:], methods[1:])))
   return build(method, tx0.axis_name, tx0.seed, dense_axis_name=tx0.dense_axis_name)

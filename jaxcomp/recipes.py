@@ -244,7 +244,7 @@ def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = No
       ``nesterov`` and ``accumulator_dtype``; with ``"adamw"``,
       ``optax.adamw``'s (``b1``, ``b2``, ``eps``, ``weight_decay``, ...), or
       for recipes on the momentum :func:`jaxcomp.onebit_adam`'s
-      (``freeze_step``, ``exchange``, ...), or the complete optimizer's.
+      (``freeze_step``, ``transport``, ...), or the complete optimizer's.
 
   Returns:
     The optax chain (``sgd`` after the method; for ``"after"`` recipes the
@@ -356,11 +356,11 @@ def _adamw_recipe(name, learning_rate, axis_name, momentum=None, **kwargs):
     if opt is onebit_adam:
       defaults["freeze_step"] = r.start_step
     if r.kind == "momentum":
-      defaults["exchange"] = "gather"
+      defaults["transport"] = "gather"
     settings = {**defaults, **dict(r.method_kwargs), **kwargs}
     if _takes(opt) is None:  # onebit_adam, zero_one_adam: **codec_kwargs go to the codec's factory
       codec = name if r.kind == "momentum" else settings.get("codec", "onebit")
-      takers.append((f"its codec {codec!r}", _takes(METHODS[codec], "axis_name", "exchange", "seed")
+      takers.append((f"its codec {codec!r}", _takes(METHODS[codec], "axis_name", "transport", "seed")
                      if codec in METHODS else None))
     parts = _split(name, "adamw", settings, *takers)
     extra = {"codec": name} if r.kind == "momentum" else {}

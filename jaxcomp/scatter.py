@@ -1,7 +1,7 @@
 """The scatter exchange: bytes per worker that do not grow with the number of workers.
 
-``exchange="gather"`` (every factory's default) all-gathers each worker's
-payload: a worker receives N - 1 payloads, linear in N. ``exchange="scatter"``
+``transport="gather"`` (every factory's default) all-gathers each worker's
+payload: a worker receives N - 1 payloads, linear in N. ``transport="scatter"``
 keeps the all-reduce structure, as DeepSpeed ZeRO++'s qgZ and torch_cgx do:
 
 1. Each bucket is cut into N chunks of ``C`` entries (``C`` a multiple of
@@ -50,7 +50,7 @@ select is dropped, as what a worker does not select is.
 Psum-ed methods (none, fp16, bf16, randomk with its shared positions) already
 reduce with an all-reduce and keep it; PowerSGD, ACP-SGD (all-reduced
 factors) and SBC (its sync schedule and Golomb stream) have no scatter form
-and refuse ``exchange="scatter"``.
+and refuse ``transport="scatter"``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from jaxcomp.collectives import ops, packing
 from jaxcomp.hierarchy import chunk_length
 from jaxcomp.protocol import Codec, CodecExchange, Exchange
 
-EXCHANGES = ("gather", "scatter")
+TRANSPORTS = ("gather", "scatter")
 
 
 def chunk_segments(length: int, workers: int, block: int = 1) -> layout.Segments:
@@ -157,7 +157,7 @@ class ScatterExchange(Exchange):
   def bucket_wire_bytes(self, segs, workers: int | None = None) -> int:
     """Bytes one worker hands to collectives: ``workers`` chunk payloads (all-to-all), one (all-gather)."""
     if workers is None:
-      raise ValueError("exchange='scatter' sends chunk payloads whose size depends on the number of"
+      raise ValueError("transport='scatter' sends chunk payloads whose size depends on the number of"
                        " workers; pass workers=N (jaxcomp.wire_bytes(tx, params, workers=N))")
     first, second = chunk_payload_bytes(self, segs.length, workers)
     return workers * first + second
@@ -191,7 +191,7 @@ class ScatterRoute:
 
 
 def scatter_form(exchange, name: str):
-  """The exchange that ``exchange="scatter"`` runs in place of ``exchange``."""
+  """The exchange that ``transport="scatter"`` runs in place of ``exchange``."""
   if isinstance(exchange, ScatterExchange):
     return exchange
   if isinstance(exchange, CodecExchange) and exchange.codec.linear:
@@ -199,6 +199,6 @@ def scatter_form(exchange, name: str):
   if exchange.scatter_codec(None) is not None:
     return ScatterExchange(exchange)
   raise ValueError(
-      f"exchange='scatter' is not available for {name}: its exchange ({type(exchange).__name__}) has no"
+      f"transport='scatter' is not available for {name}: its exchange ({type(exchange).__name__}) has no"
       " scatter form (PowerSGD's and ACP-SGD's factors are all-reduced already; SBC keeps its sync"
-      " schedule and Golomb stream); use exchange='gather'")
+      " schedule and Golomb stream); use transport='gather'")

@@ -39,7 +39,7 @@ class CompressionTransformation(optax.GradientTransformation):
   """An ``optax.GradientTransformation`` that also carries its :class:`Settings`.
 
   ``settings`` is set at construction; ``method``, ``axis_name``,
-  ``dense_axis_name``, ``exchange`` and ``seed`` read it. ``signatures``:
+  ``dense_axis_name``, ``transport`` and ``seed`` read it. ``signatures``:
   the gradient trees ``init`` saw (paths and shapes), which ``update``
   checks; kept here because the state holds arrays only.
   """
@@ -66,8 +66,8 @@ class CompressionTransformation(optax.GradientTransformation):
     return self.settings.dense_axis_name
 
   @property
-  def exchange(self) -> str:
-    return self.settings.method.exchange
+  def transport(self) -> str:
+    return self.settings.method.transport
 
   @property
   def seed(self) -> int:

@@ -79,7 +79,7 @@ def test_a_nan_step_is_skipped_and_keeps_the_moments():
 
 def test_local_momentum_stays_with_each_worker_and_error_feedback_delivers_all_of_it():
   b1, freeze = 0.9, 2
-  tx = jaxcomp.onebit_adam(LR, b1=b1, freeze_step=freeze, axis_name=AXIS, codec="topk", exchange="gather",
+  tx = jaxcomp.onebit_adam(LR, b1=b1, freeze_step=freeze, axis_name=AXIS, codec="topk", transport="gather",
                            local_momentum=True, ratio=0.05, min_size=1)
   state = init_stacked(tx, PARAMS)
   # the mean over workers of every local momentum after the freeze
@@ -118,8 +118,8 @@ def test_bad_arguments_are_named():
     jaxcomp.onebit_adam(LR, local_momentum="yes")
   with pytest.raises(ValueError, match="not available for powersgd"):
     jaxcomp.onebit_adam(LR, codec="powersgd", axis_name=AXIS)
-  tx = jaxcomp.onebit_adam(LR, codec="powersgd", exchange="gather", axis_name=AXIS)
-  assert tx.compressor.exchange == "gather"
+  tx = jaxcomp.onebit_adam(LR, codec="powersgd", transport="gather", axis_name=AXIS)
+  assert tx.compressor.transport == "gather"
 
 
 def _zero_one(**kw):

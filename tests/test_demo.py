@@ -212,7 +212,7 @@ def test_shard_map_matches_pmap():
 
 def test_scatter_exchange_runs_with_replicas_equal():
   opt = demo(LR, compression_decay=DECAY, compression_topk=TOPK, compression_chunk=CHUNK, axis_name=AXIS,
-             exchange="scatter")
+             transport="scatter")
   params = params_tree()
   state = init_stacked(opt, params)
   for step in range(2):
@@ -261,7 +261,7 @@ def test_default_payload_is_over_50x_smaller_than_dense_on_a_transformer():
     ({"compression_chunk": 4, "compression_topk": 17}, "compression_topk"),
     ({"weight_decay": -1.0}, "weight_decay"),
     ({"value_dtype": "int8"}, "value_dtype"),
-    ({"exchange": "ring"}, "exchange"),
+    ({"transport": "ring"}, "transport"),
     ({"min_size": -1}, "min_size"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name):

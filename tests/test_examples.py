@@ -69,7 +69,7 @@ def test_flax_trainstate():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [("--method", "topk"), ("--method", "qsgd", "--exchange", "scatter")])
+@pytest.mark.parametrize("options", [("--method", "topk"), ("--method", "qsgd", "--transport", "scatter")])
 def test_multihost_equals_single_process(options):
   # --min-size 1: every leaf gathered and decoded in worker order (bitwise the same in any
   # process layout); a dense float psum's summation order depends on the layout. The scatter

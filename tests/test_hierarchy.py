@@ -93,7 +93,7 @@ def test_every_method_replicas_chunked_memory_and_slow_axis_bytes(name):
 
 @pytest.mark.parametrize("name", ["qsgd", "topk"])
 def test_the_scatter_exchange_runs_over_the_slow_axis(name):
-  tx = jaxcomp.METHODS[name](axis_name=SLOW, dense_axis_name=FAST, exchange="scatter")
+  tx = jaxcomp.METHODS[name](axis_name=SLOW, dense_axis_name=FAST, transport="scatter")
   outs, state = run(tx, 2)
   for leaf in jax.tree.leaves(outs[-1]):  # bit-identical on all 8 workers of the mesh
     a = np.asarray(leaf)

@@ -1,4 +1,4 @@
-"""exchange="scatter": an all-to-all of 1/N chunks, a reduce per chunk, an all-gather of the
+"""transport="scatter": an all-to-all of 1/N chunks, a reduce per chunk, an all-gather of the
 re-compressed chunks.
 
 Replicas bit-identical, pmap == shard_map, every value either delivered or in
@@ -41,7 +41,7 @@ def _scatter(name, **kw):
   factory = jaxcomp.METHODS[name]
   if "error_feedback" in inspect.signature(factory).parameters:
     kw.setdefault("error_feedback", True)  # both residuals, for the conservation check
-  return factory(axis_name=AXIS, exchange="scatter", **kw)
+  return factory(axis_name=AXIS, transport="scatter", **kw)
 
 
 def _vectors(tx, tree, worker):
@@ -148,20 +148,20 @@ def test_resume_from_a_checkpoint_is_bitwise(tmp_path):
 
 def test_bad_arguments_are_named():
   for factory in jaxcomp.METHODS.values():
-    assert inspect.signature(factory).parameters["exchange"].default == "gather"
-  with pytest.raises(ValueError, match=r"exchange must be one of \('gather', 'scatter'\)"):
-    jaxcomp.qsgd(axis_name=AXIS, exchange="ring")
+    assert inspect.signature(factory).parameters["transport"].default == "gather"
+  with pytest.raises(ValueError, match=r"transport must be one of \('gather', 'scatter'\)"):
+    jaxcomp.qsgd(axis_name=AXIS, transport="ring")
   for name in NO_SCATTER:
-    with pytest.raises(ValueError, match=f"not available for {name}.*exchange='gather'"):
-      jaxcomp.METHODS[name](axis_name=AXIS, exchange="scatter")
-  tx = jaxcomp.topk(axis_name=AXIS, exchange="scatter")
+    with pytest.raises(ValueError, match=f"not available for {name}.*transport='gather'"):
+      jaxcomp.METHODS[name](axis_name=AXIS, transport="scatter")
+  tx = jaxcomp.topk(axis_name=AXIS, transport="scatter")
   with pytest.raises(ValueError, match="workers=N"):
     jaxcomp.wire_bytes(tx, params_tree())
   with pytest.raises(ValueError, match="workers must be >= 1"):
     jaxcomp.wire_bytes(tx, params_tree(), workers=0)
-  assert jaxcomp.configure(tx, exchange="gather").exchange == "gather"
-  assert jaxcomp.configure(jaxcomp.topk(axis_name=AXIS), exchange="scatter").exchange == "scatter"
-  with pytest.raises(ValueError, match="exchange"):
+  assert jaxcomp.configure(tx, transport="gather").transport == "gather"
+  assert jaxcomp.configure(jaxcomp.topk(axis_name=AXIS), transport="scatter").transport == "scatter"
+  with pytest.raises(ValueError, match="transport"):
     jaxcomp.staged([(0, tx), (10, jaxcomp.topk(axis_name=AXIS))])
 
 
@@ -170,5 +170,5 @@ def test_psummed_methods_keep_their_all_reduce():
   for name in PSUMMED:
     kw = {} if name == "none" else {"min_size": 1}
     gather = jaxcomp.METHODS[name](axis_name=AXIS, **kw)
-    scatter = jaxcomp.METHODS[name](axis_name=AXIS, exchange="scatter", **kw)
+    scatter = jaxcomp.METHODS[name](axis_name=AXIS, transport="scatter", **kw)
     assert jaxcomp.wire_bytes(scatter, params, workers=N) == jaxcomp.wire_bytes(gather, params)

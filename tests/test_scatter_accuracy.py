@@ -1,4 +1,4 @@
-"""exchange="scatter" trains as well as the gather: digits MLP, 8 workers, 300 steps, through each recipe.
+"""transport="scatter" trains as well as the gather: digits MLP, 8 workers, 300 steps, through each recipe.
 
 The scatter exchange compresses twice (each worker its chunks, each chunk's
 owner the mean chunk). Issue 22: top-k through its recipe lost 4 to 14
@@ -31,6 +31,6 @@ def _accuracy(tx, digits):
 def test_scatter_lands_within_1_point_of_gather(name, digits, monkeypatch):
   monkeypatch.setattr(jaxcomp.layout, "MIN_SIZE", 1024)  # the library's leaf policy (conftest: every leaf)
   gather = _accuracy(jaxcomp.recipe(name, LR, axis_name=AXIS), digits)
-  scatter = _accuracy(jaxcomp.recipe(name, LR, axis_name=AXIS, exchange="scatter"), digits)
+  scatter = _accuracy(jaxcomp.recipe(name, LR, axis_name=AXIS, transport="scatter"), digits)
   print(f"{name}: gather {100 * gather:.1f}%, scatter {100 * scatter:.1f}%")
   assert scatter >= gather - 0.01

@@ -349,7 +349,7 @@ def compression_time(round_trip: float, decode: float = 0.0, workers: int = 1, g
 
   ``round_trip`` is the measured local compress -> decode (``axis_name=None``);
   a method that all-gathers decodes every other worker's payload too, each
-  costing ``decode`` seconds. ``scattered`` (``exchange="scatter"``): a
+  costing ``decode`` seconds. ``scattered`` (``transport="scatter"``): a
   worker decodes N payloads of 1/N of the bucket twice (its chunk from every
   worker, then every owner's chunk) and encodes 1/N of it again: about two
   more decodes of one payload, whatever N (a model, not a measurement).

@@ -25,7 +25,7 @@ backprop. Every input is measured or stated:
 - **compute time per step**: stated assumptions from published V100 numbers
   (``--compute-ms`` overrides), printed with the table.
 
-At the end it prints both exchanges (``exchange="gather"`` and ``"scatter"``) at
+At the end it prints both exchanges (``transport="gather"`` and ``"scatter"``) at
 N = 8 ... 1024 against dense float32 and bfloat16 with these compression times
 (:mod:`jaxcomp.bench.scale`), then the two-level table.
 

@@ -3,8 +3,8 @@
 For ResNet-50 and BERT-base gradient shapes, each method's collectives per
 step at N workers come from its bucket layout (:func:`jaxcomp.scatter.traffic`,
 equal per kind to the compiled program's bytes, see ``tests/test_scatter.py``):
-with ``exchange="gather"`` every worker hands one payload to an all-gather
-and receives N - 1; with ``exchange="scatter"`` it hands N chunk payloads to
+with ``transport="gather"`` every worker hands one payload to an all-gather
+and receives N - 1; with ``transport="scatter"`` it hands N chunk payloads to
 an all-to-all and one to an all-gather, and receives about two payloads.
 Priced by :mod:`jaxcomp.bench.netsim` (flat ring network, alpha per message,
 collectives of one kind fused into 25 MB buckets) with the compute times of
@@ -47,13 +47,13 @@ def rows(model: str, methods: Sequence[str] = METHODS, workers: Sequence[int] = 
   alpha = latency_us * 1e-6
   compress = compress or {}
 
-  def price(tx, label, exchange):
+  def price(tx, label, transport):
     rt, dec = compress.get(label, (0.0, 0.0))
     out = {}
     for n in workers:
       colls = scatter.traffic(tx, params, n)
-      gathered = exchange == "gather" and any(k == "all-gather" for k, _ in colls)
-      comp = netsim.compression_time(rt, dec, n, gathered=gathered, scattered=exchange == "scatter")
+      gathered = transport == "gather" and any(k == "all-gather" for k, _ in colls)
+      comp = netsim.compression_time(rt, dec, n, gathered=gathered, scattered=transport == "scatter")
       for b in gbps:
         out[(n, b)] = netsim.predict(colls, netsim.flat(n, b, alpha), compute, comp,
                                      bucket_bytes=BUCKET_MB * 1e6).total
@@ -66,11 +66,11 @@ def rows(model: str, methods: Sequence[str] = METHODS, workers: Sequence[int] = 
              ("bf16", "gather", jaxcomp.bf16(axis_name="data"))]
   for m in methods:
     for ex in ("gather", "scatter"):
-      entries.append((m, ex, jaxcomp.METHODS[m](axis_name="data", exchange=ex)))
+      entries.append((m, ex, jaxcomp.METHODS[m](axis_name="data", transport=ex)))
   for m, ex, tx in entries:
     t, nbytes = price(tx, m, ex)
     out.append({"label": f"{m} {ex}" if m not in ("none", "bf16") else f"{m} (dense)", "method": m,
-                "exchange": ex, "ratio": dense_bytes / nbytes,
+                "transport": ex, "ratio": dense_bytes / nbytes,
                 "cells": {k: (v, dense[k] / v, half[k] / v) for k, v in t.items()}})
   return out
 
@@ -142,7 +142,7 @@ def measured(methods: Sequence[str] = ("qsgd", "signsgd", "topk"), workers: Sequ
   for m in ["none"] + list(methods):
     got = {}
     for ex in (("gather",) if m == "none" else ("gather", "scatter")):
-      tx = jaxcomp.steady(jaxcomp.METHODS[m](axis_name="data", exchange=ex))
+      tx = jaxcomp.steady(jaxcomp.METHODS[m](axis_name="data", transport=ex))
       got[ex] = [received(tx, n) for n in workers]
     for ex, r in got.items():
       vs = f"{r[-1] / got['gather'][-1]:.2f}" if ex == "scatter" else "-"

@@ -134,7 +134,7 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  help="also train every method at its learning rate times "
                       f"{', '.join(f'{x:g}' for x in TUNE_SCALES if x != 1.0)} and print the best beside"
                       " the default (a second table, tune.md)")
-  p.add_argument("--exchange", default="gather", choices=("gather", "scatter"),
+  p.add_argument("--transport", default="gather", choices=("gather", "scatter"),
                  help="how gathered payloads travel (default gather); scatter: all-to-all of 1/N chunks,"
                       " reduce, all-gather of the re-compressed chunks (methods without a scatter form"
                       " keep theirs: powersgd, acpsgd, sbc)")
@@ -166,9 +166,9 @@ def _select(methods: Dict[str, Any], spec: str) -> List[str]:
 
 
 def _scatters(factory) -> bool:
-  """Whether the method has a scatter form (``exchange="scatter"``); PowerSGD, ACP-SGD and SBC do not."""
+  """Whether the method has a scatter form (``transport="scatter"``); PowerSGD, ACP-SGD and SBC do not."""
   try:
-    factory(axis_name="data", exchange="scatter")
+    factory(axis_name="data", transport="scatter")
   except ValueError:
     return False
   return True
@@ -185,8 +185,8 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   from jaxcomp.bench import data, model
 
   res = Result(name, lr, momentum)
-  scatter = getattr(args, "exchange", "gather") == "scatter" and _scatters(factory)
-  kw = {"exchange": "scatter"} if scatter else {}
+  scatter = getattr(args, "transport", "gather") == "scatter" and _scatters(factory)
+  kw = {"transport": "scatter"} if scatter else {}
   if args.plain:
     comp = factory(axis_name="data", **kw)
     tx = optax.chain(comp, optax.sgd(lr, momentum=momentum or None))
@@ -408,7 +408,7 @@ def _intro(args, ds, names, n_params: int, date: str, cmd: str) -> None:
            f" {sorted(k for k in MOMENTUM_OVERRIDE if k in names)})" if args.plain else
            f"each method's jaxcomp.recipe(name, {args.lr:g}) in place of"
            f" sgd({args.lr:g}, momentum={MOMENTUM:g})")
-        + f"; exchange {args.exchange}; seed {args.seed};"
+        + f"; transport {args.transport}; seed {args.seed};"
         f" {os.cpu_count()} CPU cores; jax {jax.__version__}")
   print(f"methods ({len(names)}): {', '.join(names)}", flush=True)
 

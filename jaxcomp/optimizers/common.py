@@ -16,10 +16,10 @@ def adam_args(learning_rate, b1, b2, eps, weight_decay):
           _args.positive("weight_decay", weight_decay, allow_zero=True))
 
 
-def codec_compressor(codec: str, axis_name, exchange: str, seed: int, codec_kwargs: dict):
+def codec_compressor(codec: str, axis_name, transport: str, seed: int, codec_kwargs: dict):
   """The jaxcomp transformation ``codec`` over ``axis_name`` that moves an optimizer's payload."""
   codec = _args.choice("codec", codec, tuple(m for m in METHODS if m != "none"))
   factory = METHODS[codec]
   if "seed" in inspect.signature(factory).parameters:
     codec_kwargs = {**codec_kwargs, "seed": seed}
-  return factory(axis_name=axis_name, exchange=exchange, **codec_kwargs)
+  return factory(axis_name=axis_name, transport=transport, **codec_kwargs)

@@ -80,7 +80,7 @@ from jaxcomp.collectives.axis import AxisName
 from jaxcomp.layout import Segments
 from jaxcomp.method import Method
 from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
-from jaxcomp.scatter import EXCHANGES
+from jaxcomp.scatter import TRANSPORTS
 from jaxcomp.transformation import CompressedOptimizer, compressed_optimizer
 from jaxcomp.transforms import _args
 
@@ -190,7 +190,7 @@ def _learning_rate(value):
 def demo(learning_rate: float | optax.Schedule, compression_decay: float = 0.999, compression_topk: int = 32,
          compression_chunk: int = 64, weight_decay: float = 0.0, value_dtype: str = "bfloat16",
          axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None, min_size: int = 0,
-         dense=None, exchange: str = "gather") -> CompressedOptimizer:
+         dense=None, transport: str = "gather") -> CompressedOptimizer:
   """DeMo: decoupled momentum; only its fast DCT components travel, and the step is their mean's sign.
 
   Each worker keeps a local momentum ``m <- decay * m + g``, takes the
@@ -218,7 +218,7 @@ def demo(learning_rate: float | optax.Schedule, compression_decay: float = 0.999
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`;
       ``min_size`` defaults to 0 here (every leaf compressed, as the
       reference does; see Bytes in :mod:`jaxcomp.optimizers.demo`).
-    exchange: ``"gather"`` (all-gather the sparse coefficients, as the
+    transport: ``"gather"`` (all-gather the sparse coefficients, as the
       reference) or ``"scatter"`` (bytes per worker flat in the number of
       workers: each chunk's mean is compressed again by its owner), see
       :mod:`jaxcomp.scatter`.
@@ -237,10 +237,10 @@ def demo(learning_rate: float | optax.Schedule, compression_decay: float = 0.999
   topk = _args.integer("compression_topk", compression_topk, 1, chunk * chunk)
   wd = _args.positive("weight_decay", weight_decay, allow_zero=True)
   vd = _args.choice("value_dtype", value_dtype, VALUE_DTYPES)
-  ex = _args.choice("exchange", exchange, EXCHANGES)
+  ex = _args.choice("transport", transport, TRANSPORTS)
   codec = DCTTopKCodec(chunk, topk, vd)
   compressor = build(Method("demo", flat_route(CodecExchange(codec)), Memory(beta=decay)), axis_name, seed,
-                     bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, exchange=ex)
+                     bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, transport=ex)
   # identity without weight decay: optax's add_decayed_weights wants params even at 0 (same empty state)
   decay_tx = optax.add_decayed_weights(wd) if wd else optax.identity()
   tx = optax.chain(compressor, optax.scale_by_sign(), decay_tx, optax.scale_by_learning_rate(lr))

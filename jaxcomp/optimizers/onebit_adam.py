@@ -41,13 +41,13 @@ class ScaleByOneBitAdamState(NamedTuple):
   exchange: Any
 
 
-def scale_by_onebit_adam(exchange: CompressionTransformation, b1: float = 0.9, b2: float = 0.999,
+def scale_by_onebit_adam(compressor: CompressionTransformation, b1: float = 0.9, b2: float = 0.999,
                          eps: float = 1e-8, freeze_step: int = 100,
                          local_momentum: bool = False) -> optax.GradientTransformation:
-  """Adam's scaling with the momentum averaged by ``exchange`` and the variance frozen from ``freeze_step``.
+  """Adam's scaling with the momentum averaged by ``compressor`` and the variance frozen from ``freeze_step``.
 
   Args:
-    exchange: a jaxcomp transformation with ``start_step=freeze_step`` (dense
+    compressor: a jaxcomp transformation with ``start_step=freeze_step`` (dense
       before: exact Adam), e.g. ``configure(onebit(axis_name=...), start_step=100)``.
     b1, b2, eps: Adam's.
     freeze_step: the step from which ``nu`` is frozen (the exchange's warm-up is
@@ -64,17 +64,17 @@ def scale_by_onebit_adam(exchange: CompressionTransformation, b1: float = 0.9, b
   ``mu``, ``nu`` and ``count`` and outputs NaN, so ``optax.apply_if_finite``
   skips it on every replica.
   """
-  if not isinstance(exchange, CompressionTransformation):
-    raise TypeError(f"exchange must be a jaxcomp transformation, got exchange={exchange!r}")
+  if not isinstance(compressor, CompressionTransformation):
+    raise TypeError(f"compressor must be a jaxcomp transformation, got compressor={compressor!r}")
 
   def init(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-    return ScaleByOneBitAdamState(jnp.zeros((), jnp.int32), zeros, zeros, exchange.init(zeros))
+    return ScaleByOneBitAdamState(jnp.zeros((), jnp.int32), zeros, zeros, compressor.init(zeros))
 
   def update(updates, state, params=None):
     del params
     local = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g.astype(jnp.float32), state.mu, updates)
-    mu, ex_state = exchange.update(local, state.exchange)
+    mu, ex_state = compressor.update(local, state.exchange)
     warm = state.exchange.count < freeze_step  # the exchange was dense at this step
     mu = jax.tree.map(lambda m: m.astype(jnp.float32), mu)
 
@@ -101,7 +101,7 @@ def scale_by_onebit_adam(exchange: CompressionTransformation, b1: float = 0.9, b
 
 def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                 weight_decay: float = 0.0, freeze_step: int = 100, axis_name: AxisName = None,
-                codec: str = "onebit", exchange: str = "scatter", seed: int = 0,
+                codec: str = "onebit", transport: str = "scatter", seed: int = 0,
                 local_momentum: bool = False, **codec_kwargs):
   """1-bit Adam: a complete optax optimizer that owns its exchange.
 
@@ -118,7 +118,7 @@ def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: floa
     axis_name: the data-parallel axis.
     codec: the jaxcomp method that compresses the momentum (``"onebit"``:
       1 bit per entry and a scale per leaf, as the paper).
-    exchange: ``"scatter"`` (default: the paper's worker and server error
+    transport: ``"scatter"`` (default: the paper's worker and server error
       compensation, bytes flat in N) or ``"gather"``.
     seed: the compressor's seed.
     local_momentum: each worker keeps its own momentum after the freeze
@@ -137,7 +137,7 @@ def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: floa
   """
   b1, b2, eps, weight_decay = adam_args(learning_rate, b1, b2, eps, weight_decay)
   freeze_step = _args.integer("freeze_step", freeze_step, 0, 2 ** 31 - 1)
-  compressor = codec_compressor(codec, axis_name, exchange, seed, codec_kwargs)
+  compressor = codec_compressor(codec, axis_name, transport, seed, codec_kwargs)
   compressor = configure(compressor, start_step=freeze_step)
   decay = [optax.add_decayed_weights(weight_decay)] if weight_decay else []  # it needs params
   if not isinstance(local_momentum, bool):

@@ -90,7 +90,8 @@ class _Settings(NamedTuple):
 def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999,
                   eps: float = 1e-8, weight_decay: float = 0.0, var_freeze_step: int = 100000,
                   var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
-                  axis_name: AxisName = None, codec: str = "onebit", exchange: str = "scatter", seed: int = 0,
+                  axis_name: AxisName = None, codec: str = "onebit", transport: str = "scatter",
+                  seed: int = 0,
                   **codec_kwargs):
   """0/1 Adam: adaptive variance freezing and skipped rounds, a complete optax optimizer.
 
@@ -109,7 +110,7 @@ def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: fl
     var_update_scaler: variance updates per interval before it doubles (16).
     local_step_scaler: steps before the local interval doubles (32678).
     local_step_clipper: the largest local interval (16).
-    axis_name, codec, exchange, seed, **codec_kwargs: the 1-bit exchange, as
+    axis_name, codec, transport, seed, **codec_kwargs: the 1-bit exchange, as
       :func:`jaxcomp.onebit_adam`.
 
   Returns:
@@ -125,7 +126,7 @@ def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: fl
   var_update_scaler = _args.integer("var_update_scaler", var_update_scaler, 1)
   local_step_scaler = _args.integer("local_step_scaler", local_step_scaler, 1)
   local_step_clipper = _args.integer("local_step_clipper", local_step_clipper, 1)
-  compressor = codec_compressor(codec, axis_name, exchange, seed, codec_kwargs)
+  compressor = codec_compressor(codec, axis_name, transport, seed, codec_kwargs)
   settings = _Settings(learning_rate, b1, b2, eps, weight_decay, var_freeze_step, var_update_scaler,
                        local_step_scaler, local_step_clipper, axis_name)
 

@@ -285,7 +285,7 @@ class ACPFusion(FusedExchange):
 
 def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None = None,
            min_compression_rate: float = 2.0, seed: int = 0, balance_phases: bool = True,
-           min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
+           min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """ACP-SGD: PowerSGD's two factors sent on alternate steps, all layers in one all-reduce.
 
   Each compressed matrix sends its P factor on one step and its Q factor on
@@ -310,7 +310,7 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
     min_size, dense: the leaf policy, see :func:`jaxcomp.build`: leaves of
       fewer than ``min_size`` entries, and those ``dense`` selects, travel
       uncompressed in the fused buffers.
-    exchange: ``"gather"`` only: its factors are all-reduced already; ``"scatter"`` raises.
+    transport: ``"gather"`` only: its factors are all-reduced already; ``"scatter"`` raises.
 
   Example:
     >>> import jax.numpy as jnp
@@ -333,7 +333,7 @@ def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None =
   fused = ACPFusion(bucket_bytes, balance)
   method = Method("acpsgd", matrix_route(ACPFactors(r), r, rate), Memory(), fused=fused)
   return build(method, axis_name, seed, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)
 
 
 def phases(tx, params) -> Sequence[tuple[int, int]]:

@@ -208,7 +208,7 @@ class SketchCodec(Codec):
 
 def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = None,
              error_feedback: bool = False, seed: int = 0, bucket_bytes: int | None = None,
-             min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
+             min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """SketchML's quantile sketch: a bucket index per entry plus the bucket means.
 
   Each leaf is split into ``q = min(buckets, n)`` buckets of (about) equal
@@ -245,7 +245,7 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = 
       to its bucket mean is carried in a residual.
     seed: seeds the key (used for the sample).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
@@ -259,7 +259,7 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = 
   codec = SketchCodec(q, size)
   return build(Method("sketchml", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)
 
 
 # ----------------------------------------------------------------------------
@@ -424,7 +424,7 @@ RELATIVE_BOUND = 2.0 ** -10  # inceptionn's default: the error bound as a fracti
 
 def inceptionn(error_bound: float | None = None, capacity: float = 1.0, axis_name: AxisName = None,
                error_feedback: bool = True, seed: int = 0, bucket_bytes: int | None = None,
-               min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather",
+               min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather",
                relative_bound: float | None = None):
   """INCEPTIONN's lossy code: a 2-bit tag per value choosing 0, 8, 16 or 32 bits.
 
@@ -447,7 +447,7 @@ def inceptionn(error_bound: float | None = None, capacity: float = 1.0, axis_nam
       whatever did not fit in the stream are carried, so nothing is lost.
     seed: seeds the key (the per-step stream rotation).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter` (the
       relative bound is then per chunk).
     relative_bound: the error bound as a fraction of each leaf's largest
@@ -477,7 +477,7 @@ def inceptionn(error_bound: float | None = None, capacity: float = 1.0, axis_nam
   codec = InceptionnCodec(lsb, cap, relative)
   return build(Method("inceptionn", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)
 
 
 def _grid(error_bound, relative_bound) -> tuple:

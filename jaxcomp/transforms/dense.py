@@ -18,21 +18,21 @@ from jaxcomp.transforms import _args
 
 
 def none(axis_name: AxisName = None, bucket_bytes: int | None = None, dense_axis_name: AxisName = None,
-         exchange: str = "gather"):
+         transport: str = "gather"):
   """No compression: the mean over ``axis_name`` in float32 (``lax.pmean``).
 
   The baseline every method is compared with: 4 bytes per element on the wire.
 
   Args:
     axis_name, bucket_bytes, dense_axis_name: see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` or ``"scatter"``: the same all-reduce (its bytes are flat in N already).
+    transport: ``"gather"`` or ``"scatter"``: the same all-reduce (its bytes are flat in N already).
 
   References:
     Xu et al., *GRACE: A Compressed Communication Framework for Distributed
     Machine Learning*, ICDCS 2021 (the "none" compressor, Sec. 3).
   """
   return build(Method("none", flat_route(DENSE), Memory(enabled=False)), axis_name, bucket_bytes=bucket_bytes,
-               dense_axis_name=dense_axis_name, exchange=exchange)
+               dense_axis_name=dense_axis_name, transport=transport)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,16 +115,16 @@ class ScaledCastExchange(CodecExchange):
 
 
 def _cast(name: str, dtype: str, axis_name: AxisName, error_feedback: bool, bucket_bytes, min_size, dense,
-          dense_axis_name=None, exchange: str = "gather", scaled: bool = False):
+          dense_axis_name=None, transport: str = "gather", scaled: bool = False):
   ef = _args.flag("error_feedback", error_feedback)
   ex = (ScaledCastExchange if scaled else CodecExchange)(CastCodec(dtype))
   return build(Method(name, flat_route(ex), Memory(enabled=ef)), axis_name,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)
 
 
 def fp16(axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes: int | None = None,
-         min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
+         min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """Half-precision allreduce: 2 bytes per element, plus 4 bytes per leaf for a shared scale.
 
   float16 has 5 exponent bits: cast as they are, gradients of 1e-7 per entry
@@ -149,27 +149,27 @@ def fp16(axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes:
   Args:
     axis_name, bucket_bytes, min_size, dense, dense_axis_name: see :func:`jaxcomp.build`.
     error_feedback: carry the rounding error in a residual (default False).
-    exchange: ``"gather"`` or ``"scatter"``: the same all-reduce (its bytes are flat in N already).
+    transport: ``"gather"`` or ``"scatter"``: the same all-reduce (its bytes are flat in N already).
 
   References:
     Micikevicius et al., *Mixed Precision Training*, ICLR 2018; GRACE (Xu et
     al., 2021) lists it as the simplest quantizer.
   """
   return _cast("fp16", "float16", axis_name, error_feedback, bucket_bytes, min_size, dense,
-               dense_axis_name, exchange, scaled=True)
+               dense_axis_name, transport, scaled=True)
 
 
 def bf16(axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes: int | None = None,
-         min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
+         min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """bfloat16 allreduce: 2 bytes per element, float32's range, 8 mantissa bits.
 
   Each worker casts ``x / N``; bfloat16 has float32's 8 exponent bits, so no
   scale is needed: gradients of any float32 scale keep their 8 bits (the
   output is scale-equivariant under power-of-two scaling as it is).
-    exchange: ``"gather"`` or ``"scatter"``: the same all-reduce (its bytes are flat in N already).
+    transport: ``"gather"`` or ``"scatter"``: the same all-reduce (its bytes are flat in N already).
 
   References:
     Kalamkar et al., *A Study of BFLOAT16 for Deep Learning Training*, 2019.
   """
   return _cast("bf16", "bfloat16", axis_name, error_feedback, bucket_bytes, min_size, dense,
-               dense_axis_name, exchange)
+               dense_axis_name, transport)

@@ -161,7 +161,7 @@ class DGCExchange(Exchange):
     return sparse_bytes(segs.length, int(self.caps(segs).sum()))
 
   def scatter_codec(self, ctx: Ctx | None) -> "DGCCodec":
-    """This step's selection as a codec, for ``exchange="scatter"`` (``ctx`` None: for sizes only)."""
+    """This step's selection as a codec, for ``transport="scatter"`` (``ctx`` None: for sizes only)."""
     return DGCCodec(self, self.max_ratio if ctx is None else self.ratio(ctx.count))
 
 
@@ -184,7 +184,7 @@ class DGCCodec(Codec):
 def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: float = 0.9,
         sample_ratio: float = 0.01, warmup_steps: int | None = None, max_ratio: float | None = None,
         clip_norm: float | None = CLIP_NORM, seed: int = 0, bucket_bytes: int | None = None,
-        min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
+        min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """Deep Gradient Compression: momentum correction, factor masking, local clipping, warm-up.
 
   The paper's method with three of its four parts on (local clipping is off
@@ -221,7 +221,7 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   Example:
@@ -247,12 +247,12 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
   schedule, top, fixed = _ratio_schedule(ratio, max_ratio, warmup_steps, w)
   if fixed is not None and w:  # DGC's exponential warm-up: stages of dgc at fixed densities
     return staged([(first, dgc(d, axis_name, m, sr, 0, None, clip, seed, bucket_bytes, min_size, dense,
-                                   dense_axis_name=dense_axis_name, exchange=exchange))
+                                   dense_axis_name=dense_axis_name, transport=transport))
                    for first, d in warmup_stages(fixed, w, start=WARMUP_START)])
   method = Method("dgc", flat_route(DGCExchange(schedule, top, sr)), DGCMemory(m, clip, axis_name),
                   min_size=layout.EVERY_LEAF)
   return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
-               dense_axis_name=dense_axis_name, exchange=exchange)
+               dense_axis_name=dense_axis_name, transport=transport)
 
 
 def _ratio_schedule(ratio, max_ratio, warmup_steps, w: int):

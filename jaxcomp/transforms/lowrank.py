@@ -291,7 +291,7 @@ class PowerSGDExchange(Exchange):
 def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: float = 2.0,
              start_step: int = 0, error_feedback: bool = True, seed: int = 0,
              bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
-             exchange: str = "gather"):
+             transport: str = "gather"):
   """PowerSGD: rank-``rank`` approximation of each matrix by one warm-started power step.
 
   Each leaf of rank >= 2 is viewed as a matrix M (:func:`matrix_view`) with
@@ -326,7 +326,7 @@ def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: fl
     error_feedback: keep M - P Q^T in the residual (default True).
     seed: seeds the initial Q.
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` only: its factors are all-reduced already; ``"scatter"`` raises.
+    transport: ``"gather"`` only: its factors are all-reduced already; ``"scatter"`` raises.
 
   Example:
     >>> import jax.numpy as jnp
@@ -347,4 +347,4 @@ def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: fl
   method = Method("powersgd", matrix_route(PowerSGDExchange(r), r, rate), Memory(enabled=ef),
                   start_step=start, chunkable=False)
   return build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)

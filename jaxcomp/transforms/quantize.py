@@ -63,7 +63,7 @@ class QSGDCodec(Codec):
 
 def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
          bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
-         exchange: str = "gather"):
+         transport: str = "gather"):
   """QSGD: unbiased stochastic quantization to ``levels`` levels per sign.
 
   Each entry becomes ``sign(x) * l`` with ``l = floor(s |x| / ||x||_2 + u)``,
@@ -82,7 +82,7 @@ def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = F
       is carried.
     seed: seeds the key.
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   Example:
@@ -101,7 +101,7 @@ def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = F
   ef = _args.flag("error_feedback", error_feedback)
   return build(Method("qsgd", flat_route(CodecExchange(QSGDCodec(s))), Memory(enabled=ef)), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)
 
 
 # ----------------------------------------------------------------------------
@@ -138,7 +138,7 @@ class TernGradCodec(Codec):
 
 def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
              error_feedback: bool = False, seed: int = 0, bucket_bytes: int | None = None,
-             min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
+             min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """TernGrad: stochastic ternary gradients with a per-leaf scale.
 
   Each leaf is clipped to ``[-c sigma, c sigma]``; with ``s = max|clipped x|``
@@ -165,7 +165,7 @@ def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
       on, the quantization and clipping error is carried in a residual.
     seed: seeds the key.
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
@@ -178,7 +178,7 @@ def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
   codec = TernGradCodec(c)
   return build(Method("terngrad", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)
 
 
 # ----------------------------------------------------------------------------
@@ -242,7 +242,7 @@ class NaturalCodec(Codec):
 
 def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
             bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
-            exchange: str = "gather"):
+            transport: str = "gather"):
   """Natural compression: unbiased stochastic rounding to powers of two.
 
   ``|x|`` in ``[2**k, 2**(k+1))`` becomes ``2**k`` or ``2**(k+1)``, up with
@@ -274,7 +274,7 @@ def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = Fa
     error_feedback: off by default (the code is unbiased).
     seed: seeds the key.
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
@@ -288,7 +288,7 @@ def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = Fa
   codec = NaturalCodec(int(bits))
   return build(Method("natural", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)
 
 
 # ----------------------------------------------------------------------------
@@ -349,7 +349,7 @@ class U8bitCodec(Codec):
 
 def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
           bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
-          exchange: str = "gather"):
+          transport: str = "gather"):
   """Dettmers' 8-bit approximation: a 128-entry table per sign plus the max.
 
   Each leaf is scaled by its largest magnitude ``s = max|x|``; ``|x| / s`` is
@@ -371,7 +371,7 @@ def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 
       carried in a residual.
     seed: seeds the state's key (the code itself uses no randomness).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
@@ -382,4 +382,4 @@ def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 
   ef = _args.flag("error_feedback", error_feedback)
   return build(Method("u8bit", flat_route(CodecExchange(U8bitCodec())), Memory(enabled=ef)), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)

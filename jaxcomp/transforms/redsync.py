@@ -103,7 +103,7 @@ class RedSyncExchange(Exchange):
     return jnp.zeros((segs.length,), jnp.float32).at[idx.astype(jnp.int32)].add(values)
 
   def scatter_codec(self, ctx: Ctx | None) -> "RedSyncCodec":
-    """The selection as a codec, for ``exchange="scatter"`` (a fresh binary search per chunk)."""
+    """The selection as a codec, for ``transport="scatter"`` (a fresh binary search per chunk)."""
     del ctx
     return RedSyncCodec(self)
 
@@ -127,7 +127,7 @@ class RedSyncExchange(Exchange):
 def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bool = False,
             min_size: int | None = MIN_SIZE, momentum: float | None = None, axis_name: AxisName = None,
             seed: int = 0, bucket_bytes: int | None = None, dense=None, dense_axis_name=None,
-            exchange: str = "gather"):
+            transport: str = "gather"):
   """RedSync: residual gradient sparsification with sort-free selection, all-gathered.
 
   Each leaf of at least ``min_size`` entries sends about ``k = ceil(ratio * n)``
@@ -169,7 +169,7 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
@@ -189,7 +189,7 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
     memory = MomentumCorrection(_args.unit_interval("momentum", momentum), masking=True)
   method = Method("redsync", flat_route(RedSyncExchange(r, sel, q)), memory)
   return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=size, dense=dense,
-               dense_axis_name=dense_axis_name, exchange=exchange)
+               dense_axis_name=dense_axis_name, transport=transport)
 
 
 class RedSyncCodec(Codec):

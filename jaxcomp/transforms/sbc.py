@@ -345,7 +345,7 @@ def _check_optimizer(optimizer, delay: int) -> None:
 
 def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
         capacity: float | None = None, seed: int = 0, bucket_bytes: int | None = None,
-        min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather",
+        min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather",
         optimizer: optax.GradientTransformation | None = None):
   """Sparse Binary Compression: communication delay + binarized top-p + Golomb positions.
 
@@ -371,7 +371,7 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
     seed: seeds the state's key (SBC itself draws nothing).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`;
       by default every leaf is compressed (``min_size=0``), see :data:`jaxcomp.layout.EVERY_LEAF`.
-    exchange: ``"gather"`` only: its sync schedule and Golomb stream have no
+    transport: ``"gather"`` only: its sync schedule and Golomb stream have no
       scatter form; ``"scatter"`` raises.
     optimizer: the local optimizer SBC wraps (an optax
       ``GradientTransformation``, e.g. ``optax.sgd(lr, momentum=0.9)``):
@@ -417,7 +417,7 @@ def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
   method = Method("sbc", flat_route(SBCExchange(p, d, capacity)), Memory(enabled=False),
                   min_size=layout.EVERY_LEAF)
   tx = build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,
-             exchange=exchange)
+             transport=transport)
   if optimizer is None:
     return tx
   return compressed_optimizer(optax.chain(optimizer, tx), tx)

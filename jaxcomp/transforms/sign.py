@@ -90,7 +90,7 @@ class SignCodec(Codec):
 
   @property
   def owner_codec(self) -> Codec:
-    """What a chunk owner sends of its vote under ``exchange="scatter"``: a tie's 0 needs a third value."""
+    """What a chunk owner sends of its vote under ``transport="scatter"``: a tie's 0 needs a third value."""
     return VoteCodec(self.scaled) if self.ties == "zero" else self
 
 
@@ -122,7 +122,7 @@ class VoteCodec(Codec):
 
 def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0, ties: str = "zero",
             bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
-            exchange: str = "gather"):
+            transport: str = "gather"):
   """signSGD with majority vote: 1 bit per entry on the wire.
 
   Each worker sends the packed signs of its gradient (``x >= 0`` counts as +1);
@@ -146,7 +146,7 @@ def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int 
     seed: seeds the state's key (unused).
     ties: what a tied vote gives: ``"zero"`` (default) or ``"positive"`` (+1).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   Example:
@@ -174,7 +174,7 @@ def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int 
   codec = SignCodec(scaled=ef, ties=ties)
   return build(Method("signsgd", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)
 
 
 class ScaledSignCodec(Codec):
@@ -191,7 +191,7 @@ class ScaledSignCodec(Codec):
 
 
 def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
-              min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
+              min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """EF-signSGD: scaled signs with error feedback.
 
   Memory ``x = e + lr * g``; the payload is ``mean|x|`` of each leaf and the
@@ -204,7 +204,7 @@ def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket
     axis_name: the data-parallel axis, or None.
     seed: seeds the state's key (unused).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
@@ -214,7 +214,7 @@ def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket
   g = _args.positive("lr", lr)
   return build(Method("efsignsgd", flat_route(CodecExchange(ScaledSignCodec())), Memory(gamma=g)),
                axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
-               dense_axis_name=dense_axis_name, exchange=exchange)
+               dense_axis_name=dense_axis_name, transport=transport)
 
 
 class MomentumMemory(Memory):
@@ -239,7 +239,7 @@ class MomentumMemory(Memory):
 
 def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, ties: str = "zero",
            bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
-           exchange: str = "gather"):
+           transport: str = "gather"):
   """Signum: signSGD with local momentum, 1 bit per entry, majority vote.
 
   Each worker keeps ``m <- momentum * m + (1 - momentum) * g`` and sends the
@@ -255,7 +255,7 @@ def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, tie
     seed: seeds the state's key (unused).
     ties: what a tied vote gives: ``"zero"`` (default) or ``"positive"`` (+1).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
@@ -268,7 +268,7 @@ def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, tie
   ties = _args.choice("ties", ties, TIES)
   return build(Method("signum", flat_route(CodecExchange(SignCodec(ties=ties))), MomentumMemory(b)),
                axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
-               dense_axis_name=dense_axis_name, exchange=exchange)
+               dense_axis_name=dense_axis_name, transport=transport)
 
 
 class OneBitCodec(Codec):
@@ -295,7 +295,7 @@ class OneBitCodec(Codec):
 
 def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
            bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
-           exchange: str = "gather"):
+           transport: str = "gather"):
   """1-bit SGD: one sign bit per entry and two reconstruction values, with error feedback.
 
   Each leaf is quantized to 1 bit per entry (``x >= 0`` or not), packed 8 per
@@ -311,7 +311,7 @@ def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 
     error_feedback: carry the quantization error (default True).
     seed: seeds the state's key (unused).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
@@ -322,4 +322,4 @@ def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 
   ef = _args.flag("error_feedback", error_feedback)
   return build(Method("onebit", flat_route(CodecExchange(OneBitCodec())), Memory(enabled=ef)), axis_name,
                seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
-               dense_axis_name=dense_axis_name, exchange=exchange)
+               dense_axis_name=dense_axis_name, transport=transport)

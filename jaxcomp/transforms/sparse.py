@@ -108,7 +108,7 @@ class TopKCodec(Codec):
   values: str = "float32"
   scope: str = "layer"
   block = 128
-  selects = True  # exchange="scatter": what the chunk owner does not select goes back to the workers
+  selects = True  # transport="scatter": what the chunk owner does not select goes back to the workers
 
   def _segments(self, segs: Segments) -> Segments:
     if self.scope == "layer":
@@ -154,7 +154,7 @@ class ChunkedTopKCodec(Codec):
   ratio: float
   chunk: int
   values: str = "float32"
-  selects = True  # exchange="scatter": what the chunk owner does not select goes back to the workers
+  selects = True  # transport="scatter": what the chunk owner does not select goes back to the workers
 
   def _layout(self, n: int):
     b = min(self.chunk, n)
@@ -190,7 +190,7 @@ class ChunkedTopKCodec(Codec):
 def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
          selection: str = "exact", positions: str = "chunk16", values: str = "float32",
          block: int | None = None, scope: str = "layer", bucket_bytes: int | None = None,
-         min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
+         min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """Top-k sparsification with error feedback (all-gather of values + positions).
 
   Each leaf (flattened, n entries) keeps its entries of largest magnitude;
@@ -229,7 +229,7 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
       top-k systems), positions relative to the bucket.
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`;
       by default every leaf is compressed (``min_size=0``), see :data:`jaxcomp.layout.EVERY_LEAF`.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   Example:
@@ -264,7 +264,7 @@ def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool =
     codec = TopKCodec(r, pos, val, sc)
   method = Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF)
   return build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,
-               exchange=exchange)
+               transport=transport)
 
 
 # ----------------------------------------------------------------------------
@@ -316,7 +316,7 @@ class RandomKCodec(Codec):
 
 def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True,
             unbiased: bool = False, seed: int = 0, bucket_bytes: int | None = None,
-            min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather"):
+            min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """Random-k sparsification; positions come from the shared key, values are psum-ed.
 
   Every worker draws the same positions from the state's key (split each
@@ -338,7 +338,7 @@ def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: boo
       a bias of 10 entries sends one random entry a step, and its momentum-corrected residual
       grows until the step lands (the digits MLP diverged, 15.6% against 97.2%); dense they add
       9% to its bytes on ResNet-50's shapes.
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
@@ -351,4 +351,4 @@ def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: boo
   ub = _args.flag("unbiased", unbiased)
   codec = RandomKCodec(r, ub)
   return build(Method("randomk", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
-               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name, exchange=exchange)
+               bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name, transport=transport)

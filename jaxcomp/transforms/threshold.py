@@ -302,7 +302,7 @@ class ThresholdCodec(Codec):
 
 def threshold(v: float | None = None, capacity: float = 0.1, axis_name: AxisName = None,
               error_feedback: bool = True, seed: int = 0, bucket_bytes: int | None = None,
-              min_size: int | None = None, dense=None, dense_axis_name=None, exchange: str = "gather",
+              min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather",
               v_rms: float | None = None):
   """Threshold sparsification: send the entries above a threshold (a variable count).
 
@@ -355,7 +355,7 @@ def threshold(v: float | None = None, capacity: float = 0.1, axis_name: AxisName
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`; with
       ``"scatter"`` the RMS is that of each chunk (:mod:`jaxcomp.scatter`).
     v_rms: the threshold in units of each leaf's RMS, >= 0 (default 2.0 when
@@ -379,7 +379,7 @@ def threshold(v: float | None = None, capacity: float = 0.1, axis_name: AxisName
   method = Method("threshold", flat_route(CodecExchange(codec)), Memory(enabled=ef),
                   min_size=layout.EVERY_LEAF)
   return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
-               dense_axis_name=dense_axis_name, exchange=exchange)
+               dense_axis_name=dense_axis_name, transport=transport)
 
 
 # ----------------------------------------------------------------------------
@@ -484,7 +484,7 @@ class AdaQCodec(Codec):
 def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0.01,
          capacity: float | None = None, encoding: str = "auto", error_feedback: bool = True,
          seed: int = 0, bucket_bytes: int | None = None, min_size: int | None = None, dense=None,
-         dense_axis_name=None, exchange: str = "gather"):
+         dense_axis_name=None, transport: str = "gather"):
   """Adaptive quantization: the top ``ratio`` of the positives and of the negatives, two means.
 
   Each leaf's positive entries and (separately) its negative entries are
@@ -526,7 +526,7 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
       :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
-    exchange: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
 
   References:
@@ -541,4 +541,4 @@ def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0
   codec = AdaQCodec(r, sr, cap, enc)
   method = Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF)
   return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
-               dense_axis_name=dense_axis_name, exchange=exchange)
+               dense_axis_name=dense_axis_name, transport=transport)

@@ -58,7 +58,7 @@ def optimizer(name: str):
   method, _, exchange = name.partition("@")
   if exchange == "adamw":
     return jaxcomp.recipe(method, 1e-2, axis_name=AXIS, optimizer="adamw", **ADAMW_CASES[method])
-  return jaxcomp.recipe(method, 0.05, axis_name=AXIS, **({"exchange": exchange} if exchange else {}))
+  return jaxcomp.recipe(method, 0.05, axis_name=AXIS, **({"transport": exchange} if exchange else {}))
 
 
 def _loss(params, step, worker):
@@ -121,11 +121,11 @@ def run(name: str, layout: str, carry, first: int, steps: int):
   return params, state
 
 
-SCATTER_METHODS = ("qsgd", "topk", "dgc")  # "name@scatter": through exchange="scatter" (two residuals)
+SCATTER_METHODS = ("qsgd", "topk", "dgc")  # "name@scatter": through transport="scatter" (two residuals)
 
 
 def cases():
-  """(name, layout) for every method under pmap, a few with exchange="scatter", and one under shard_map."""
+  """(name, layout) for every method under pmap, a few with transport="scatter", and one under shard_map."""
   return ([(name, "pmap") for name in sorted(jaxcomp.METHODS)]
           + [(f"{m}@scatter", "pmap") for m in SCATTER_METHODS]
           + [(f"{m}@adamw", "pmap") for m in ADAMW_CASES] + [(SHARD_MAP_METHOD, "shard_map")])
