@@ -8,6 +8,10 @@ workers), the buffers are donated. It works on a one-axis mesh
 (``axis_name="data"``) and on a two-axis one (``axis_name="dcn",
 dense_axis_name="ici"``), in one process or in several (the mesh then spans
 every process's devices; each process passes the rows of its own devices).
+
+With ``param_specs`` the parameters stay sharded over the fast axes they name
+(FSDP, tensor axes) and jaxcomp compresses over its slow ``axis_name`` only
+(:mod:`jaxcomp.sharded`).
 """
 
 from __future__ import annotations
@@ -21,25 +25,34 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import sharded
+from jaxcomp.collectives.axis import axis_names
 from jaxcomp.sharding import local, stacked
+from jaxcomp.transformation import compressor
 
 
 class DataParallel(NamedTuple):
   """``init(params) -> (params, opt_state)``; ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
-  ``params`` come back replicated over the mesh, ``opt_state`` with one
-  block per worker; ``batch`` is a pytree of arrays whose leading axis is
-  split over the data axes (in several processes: this process's rows,
-  ``jax.process_count()`` times fewer); ``loss`` is the mean over workers.
+  ``params`` come back replicated over the mesh (with ``param_specs``:
+  sharded as they say), ``opt_state`` with one block per worker (with
+  ``param_specs``: per device, each the state of the device's shards);
+  ``batch`` is a pytree of arrays whose leading axis is split over the data
+  axes (in several processes: this process's rows, ``jax.process_count()``
+  times fewer); ``loss`` is the mean over workers.
   """
 
   init: Callable[[Any], tuple]
   step: Callable[[Any, Any, Any], tuple]
   axes: tuple
+  lower: Callable[[Any, Any, Any], Any]
+  """``lower(params, opt_state, batch)``: the step's ``jax.stages.Lowered`` (``.compile().as_text()``
+  for its HLO, ``.compile().cost_analysis()`` for its FLOPs)."""
 
 
 def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransformation, mesh: Mesh,
-                  axes: Sequence[str] | str | None = None, donate: bool = True) -> DataParallel:
+                  axes: Sequence[str] | str | None = None, donate: bool = True,
+                  param_specs: Any = None) -> DataParallel:
   """The per-worker state and the jitted step of data-parallel training with ``tx``.
 
   Args:
@@ -50,6 +63,12 @@ def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransform
     axes: the data axes (default: every axis of ``mesh``); the batch is
       split over them, in this order.
     donate: donate the parameters and the state to the step.
+    param_specs: a pytree like the parameters of ``PartitionSpec`` (or
+      ``NamedSharding``; ``nnx.get_partition_spec``'s output as it is) naming
+      mesh axes other than the compressed one: each device keeps its shard of
+      the parameters, of the optimizer state and of jaxcomp's state, and the
+      compressed exchange moves shards (:mod:`jaxcomp.sharded`). The batch is
+      still split over every axis of ``axes``. None: parameters replicated.
 
   Returns:
     A :class:`DataParallel` of ``init`` and ``step`` (both jitted).
@@ -70,6 +89,8 @@ def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransform
   unknown = [a for a in axes if a not in mesh.axis_names]
   if not axes or unknown:
     raise ValueError(f"axes must name axes of the mesh {tuple(mesh.axis_names)}, got axes={axes!r}")
+  if param_specs is not None:
+    return _sharded(loss_fn, tx, mesh, axes, donate, param_specs)
   spec = P(axes)
 
   def init_local(params):
@@ -99,4 +120,57 @@ def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransform
       batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
     return step(params, opt_state, batch)
 
-  return DataParallel(init, run, axes)
+  return DataParallel(init, run, axes, step.lower)
+
+
+def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) -> DataParallel:
+  """:func:`data_parallel` with parameters sharded as ``param_specs`` say (see :mod:`jaxcomp.sharded`)."""
+  every = P(tuple(mesh.axis_names))  # the states: one block per device
+  rows = P(axes)
+  found: dict = {}
+
+  def specs_for(params):
+    """The checked specs, and the fast data axes (``axes`` but the compressed ones)."""
+    inner = compressor(tx, params)
+    slow = axis_names(inner.axis_name)
+    if inner.dense_axis_name is not None:
+      raise ValueError("param_specs: the jaxcomp transform has dense_axis_name="
+                       f"{inner.dense_axis_name!r}; with param_specs the fast axes are averaged by the"
+                       " sharded step itself: build the transform with axis_name (the slow axis) alone")
+    found["specs"] = sharded.normalize(param_specs, mesh, slow)
+    found["fast"] = tuple(a for a in axes if a not in slow)
+    return found["specs"]
+
+  def step_local(params, opt_state, batch):
+    specs = found["specs"]
+    loss, grads = jax.value_and_grad(loss_fn)(sharded.gather(params, specs), batch)
+    grads = sharded.reduce_scatter_mean(grads, specs, found["fast"], mesh)
+    updates, opt_state = tx.update(grads, local(opt_state), params)
+    return optax.apply_updates(params, updates), stacked(opt_state), lax.pmean(loss, axes)
+
+  compiled: dict = {}
+
+  def init(params):
+    specs = specs_for(params)
+    params = jax.device_put(jax.tree.map(np.asarray, params), sharded.shardings(specs, mesh))
+    init_state = jax.jit(jax.shard_map(lambda p: stacked(tx.init(p)), mesh=mesh, in_specs=(specs,),
+                                       out_specs=every))
+    compiled["step"] = jax.jit(
+        jax.shard_map(step_local, mesh=mesh, in_specs=(specs, every, rows), out_specs=(specs, every, P()),
+                      check_vma=False), donate_argnums=(0, 1) if donate else ())
+    return params, init_state(params)
+
+  def run(params, opt_state, batch):
+    if "step" not in compiled:
+      raise ValueError("call init(params) before step: init checks param_specs against the parameters")
+    if jax.process_count() > 1:  # this process's rows -> one global batch
+      batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(NamedSharding(mesh, rows), x),
+                           batch)
+    return compiled["step"](params, opt_state, batch)
+
+  def lower(params, opt_state, batch):
+    if "step" not in compiled:
+      raise ValueError("call init(params) before lower: init checks param_specs against the parameters")
+    return compiled["step"].lower(params, opt_state, batch)
+
+  return DataParallel(init, run, axes, lower)
