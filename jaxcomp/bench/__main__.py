@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "twolevel": "jaxcomp.bench.twolevel",  # flat vs two-level compression on 8 nodes x 8 devices
     "scale": "jaxcomp.bench.scale",        # gather vs scatter exchange at N = 8 ... 1024
     "lm": "jaxcomp.bench.lm",  # the transformer language model task
+    "slices": "jaxcomp.bench.slices",  # a sharded 8B model across slices, priced by the network model
 }
 
 

@@ -1,0 +1,109 @@
+"""``python -m jaxcomp.bench slices``: a multi-slice step of a sharded 8B model, priced by the network model.
+
+Past this machine: ``slices`` slices of ``chips`` chips each; inside a slice
+the parameters are sharded over every chip (FSDP, ``jaxcomp.data_parallel``
+with ``param_specs``), so each chip holds 1/``chips`` of every matrix; between
+slices only the compressed exchange runs, each chip with the chips that hold
+the same shard in the other slices. A host's link (``--gbps``) is shared by
+its ``chips_per_host`` chips, which exchange at once: each gets that fraction of it.
+
+The bytes are :func:`jaxcomp.traffic` of each method on one chip's shards of a
+Llama-3-8B-shaped tree (no compile: the bucket layout and the codecs'
+payload shapes); the time is :mod:`jaxcomp.bench.netsim`'s ring model of
+those collectives among ``slices`` workers. Compute: ``6 x parameters x
+tokens per chip`` FLOPs at ``peak x mfu``; compression is not priced (a few
+passes over 31M entries per chip at HBM speed: about 1 ms) and nothing
+overlaps (an upper bound on the communication's share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxcomp
+from jaxcomp.bench import netsim
+from jaxcomp.bench.common import fmt_bytes, header, markdown_table
+
+METHODS = ("none", "bf16", "qsgd", "signsgd", "topk", "dgc", "powersgd", "sbc", "onebit_adam")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  slices: int = 4
+  chips: int = 256  # per slice
+  chips_per_host: int = 4
+  tokens_per_chip: int = 2048  # per step
+  peak_flops: float = 197e12  # bf16 per chip (TPU v5e)
+  mfu: float = 0.4
+  latency_s: float = 10e-6
+
+
+def llama8b_shard(chips: int) -> dict:
+  """One chip's shards of a Llama-3-8B-shaped tree: each leaf's first axis split over ``chips``."""
+  d, ff, kv, vocab, layers = 4096, 14336, 1024, 128256, 32
+  layer = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d), "w1": (d, ff), "w3": (d, ff),
+           "w2": (ff, d), "attn_norm": (d,), "mlp_norm": (d,)}
+  tree = {"embed": (vocab, d), "lm_head": (d, vocab), "norm": (d,)}
+  tree.update({f"layer{i}": dict(layer) for i in range(layers)})
+
+  def shard(shape):
+    return jax.ShapeDtypeStruct((-(-shape[0] // chips),) + shape[1:], jnp.float32)
+
+  return jax.tree.map(shard, tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def transform(name: str):
+  if name == "onebit_adam":
+    return jaxcomp.onebit_adam(1e-4, axis_name="dcn")
+  if name == "sbc":
+    return jaxcomp.sbc(axis_name="dcn", delay=4, optimizer=optax.sgd(0.1))
+  return jaxcomp.METHODS[name](axis_name="dcn")
+
+
+def rows(s: Setting, gbps: tuple) -> list:
+  shard = llama8b_shard(s.chips)
+  params = 8.03e9
+  compute = 6 * params * s.tokens_per_chip / (s.peak_flops * s.mfu)
+  out, dense = [], {}
+  for name in METHODS:
+    tx = transform(name)
+    traffic = jaxcomp.traffic(tx, shard, workers=s.slices)
+    every = max(b.exchange.sync_every for b in jaxcomp.method_of(tx, shard).buckets(shard))
+    nbytes = sum(b for _, b in traffic) / every
+    row = [name, fmt_bytes(nbytes)]
+    for g in gbps:
+      net = netsim.flat(s.slices, g / s.chips_per_host, s.latency_s)
+      comm = netsim.communication_time(traffic, net) / every
+      step = compute + comm
+      dense.setdefault(g, step)
+      row += [f"{comm:.3f}", f"{step:.3f}", f"{dense[g] / step:.2f}x"]
+    out.append(row)
+  return out
+
+
+def table(s: Setting, gbps: tuple) -> str:
+  head = ["method", "bytes/chip/step over dcn"]
+  for g in gbps:
+    head += [f"comm s ({g:g} Gb/s/host)", "step s", "vs dense f32"]
+  return markdown_table(head, rows(s, gbps))
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(prog="python -m jaxcomp.bench slices", description=__doc__.splitlines()[0])
+  ap.add_argument("--gbps", default="25,100", help="per-host bandwidth between slices, Gb/s")
+  for f in dataclasses.fields(Setting):
+    ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+  args = ap.parse_args(argv)
+  s = Setting(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Setting)})
+  gbps = tuple(float(g) for g in args.gbps.split(","))
+  print(header("python -m jaxcomp.bench slices"))
+  print(f"Llama-3-8B shapes (8.03e9 parameters), {s.slices} slices x {s.chips} chips, FSDP inside a slice"
+        f" ({s.chips_per_host} chips per host share its link), {s.tokens_per_chip} tokens per chip per step,"
+        f" compute at {s.peak_flops:.3g} FLOP/s x {s.mfu} MFU, {s.latency_s * 1e6:g} us latency, ring"
+        " collectives, no overlap, compression not priced.\n")
+  print(table(s, gbps))
