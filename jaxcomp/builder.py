@@ -93,7 +93,7 @@ def _init(tx: CompressionTransformation, params) -> CompressState:
     checks.check_stage_state(method, extra, [_init_extra(method, _work_buckets(s, params, j), key)
                                              for j in range(1, len(method.stages) + 1)])
   if checks.remember(tx.signatures, params):
-    layout.warn_if_mostly_dense(method, params, DENSE)  # once per tree this tx sees
+    layout.warn_if_mostly_dense(method, params, DENSE, stacklevel=4)  # once per tree this tx sees
   zeros = tuple(jnp.zeros((b.length,), jnp.float32) for b in buckets)
   return _state(key, method.memory.init(zeros), extra)
 

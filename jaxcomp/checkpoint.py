@@ -19,8 +19,10 @@ process killed while saving leaves no partial checkpoint under ``path``
 must call :func:`save` and :func:`restore`; keep per-worker state in global
 ``jax.Array``s (shard_map's ``per_worker(..., mesh, axis)``) so that each
 process writes its own shards: numpy leaves are written once, by process 0,
-and must be the same on every process. (Tested here in one process, under
-pmap and shard_map.)
+and must be the same on every process. (Tested in one process under pmap
+and shard_map, with ``data_parallel(param_specs=...)``'s sharded parameters
+and per-device states, and in a 2-process job:
+tests/test_sharded_multiprocess.py.)
 """
 
 from __future__ import annotations

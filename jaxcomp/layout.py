@@ -304,7 +304,7 @@ def dense_share(method: Any, updates: Any, dense_exchange: Any) -> tuple:
   return dense_bytes, count, method.wire_bytes(updates, nonfinite_flag=False, workers=8)
 
 
-def warn_if_mostly_dense(method: Any, updates: Any, dense_exchange: Any) -> None:
+def warn_if_mostly_dense(method: Any, updates: Any, dense_exchange: Any, stacklevel: int = 3) -> None:
   """Warns when leaves under ``min_size`` make up most of the bytes ``method`` sends per step."""
   dense_bytes, count, total = dense_share(method, updates, dense_exchange)
   if count and dense_bytes > DENSE_SHARE_WARNING * total:
@@ -314,4 +314,4 @@ def warn_if_mostly_dense(method: Any, updates: Any, dense_exchange: Any) -> None
         f" dense in float32: {dense_bytes:,} of the {total:,} bytes one worker sends per step"
         f" ({100.0 * dense_bytes / total:.0f}%), so the method compresses little of this model."
         f" Pass min_size=0 to compress every leaf (or a smaller min_size), or mark leaves dense"
-        f" with dense=... to choose which travel dense.", UserWarning, stacklevel=3)
+        f" with dense=... to choose which travel dense.", UserWarning, stacklevel=stacklevel)

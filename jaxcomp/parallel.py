@@ -152,13 +152,16 @@ def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) ->
 
   def init(params):
     specs = specs_for(params)
+    # From host copies (the step donates its parameters), each process placing its own shards.
     params = jax.device_put(jax.tree.map(np.asarray, params), sharded.shardings(specs, mesh))
-    init_state = jax.jit(jax.shard_map(lambda p: stacked(tx.init(p)), mesh=mesh, in_specs=(specs,),
-                                       out_specs=every))
+    # The parameters pass through init's program: they come back with the shardings the step returns
+    # (its spec P("fsdp") for P("fsdp", None)), as a checkpoint restored into init's output does.
+    init_state = jax.jit(jax.shard_map(lambda p: (p, stacked(tx.init(p))), mesh=mesh, in_specs=(specs,),
+                                       out_specs=(specs, every)), donate_argnums=0)
     compiled["step"] = jax.jit(
         jax.shard_map(step_local, mesh=mesh, in_specs=(specs, every, rows), out_specs=(specs, every, P()),
                       check_vma=False), donate_argnums=(0, 1) if donate else ())
-    return params, init_state(params)
+    return init_state(params)
 
   def run(params, opt_state, batch):
     if "step" not in compiled:

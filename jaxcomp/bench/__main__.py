@@ -57,7 +57,19 @@ def run_network(argv: list[str]) -> None:
   print(twolevel.table(run.models, latency_us=run.latency_us))
 
 
-COMPOSED = {"train": run_train, "network": run_network}  # subcommands whose output is composed here
+def run_lm(argv: list[str]) -> None:
+  """``lm``: the transformer task; with ``--mesh``, a sharded model against a replicated one."""
+  if any(a == "--mesh" or a.startswith("--mesh=") for a in argv):
+    from jaxcomp.bench import lm_sharded
+
+    return lm_sharded.main(argv)
+  from jaxcomp.bench import lm
+
+  return lm.main(argv)
+
+
+# subcommands whose output is composed here
+COMPOSED = {"train": run_train, "network": run_network, "lm": run_lm}
 
 
 def main(argv=None) -> None:
