@@ -53,6 +53,9 @@ class CompressionTransformation(optax.GradientTransformation):
     self.signatures = []
     return self
 
+  def __getnewargs__(self):  # copy and pickle pass the settings to __new__
+    return (self.init, self.update, self.settings)
+
   @property
   def method(self) -> Method:
     return self.settings.method
@@ -89,6 +92,9 @@ class CompressedOptimizer(optax.GradientTransformationExtraArgs):
     self = super().__new__(cls, init, update)
     self.compressor = compressor_
     return self
+
+  def __getnewargs__(self):
+    return (self.init, self.update, self.compressor)
 
 
 def compressed_optimizer(tx: optax.GradientTransformation, compressor_: Any) -> CompressedOptimizer:
