@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import check_against, memory_trees, run_steps, small_params
 
 import jaxcomp
 from jaxcomp.layout import Segments
 from jaxcomp.transforms import threshold as thr_mod
 
 N, AXIS = harness.N, harness.AXIS
-STEPS = 3
 
 
 @functools.cache
@@ -29,54 +29,6 @@ def pmapped(name):
       "adaq": lambda: jaxcomp.adaq(ratio=0.3, encoding="map", axis_name=AXIS),
       "adaq_indices": lambda: jaxcomp.adaq(ratio=0.3, encoding="indices", axis_name=AXIS),
   }[name]()
-
-
-def small_params():
-  """Leaves of at most 128 entries: each is its own threshold sample (exact selection)."""
-  return {"w": jnp.zeros((10, 10), jnp.float32), "b": jnp.zeros((24,), jnp.float32)}
-
-
-def step_grads(params, step):
-  return jax.tree.map(np.asarray, harness.worker_grads(params, seed=100 + step))
-
-
-def memory_trees(tx, state, params):
-  """``state`` (stacked over workers) with its memory read as trees like ``params`` (see memory_tree)."""
-  if not jax.tree.leaves(state.memory):
-    return state
-  read = jax.vmap(lambda m: jaxcomp.memory_tree(tx, state._replace(memory=m), params))
-  return state._replace(memory=read(state.memory))
-
-
-def run_steps(tx, params, steps=STEPS):
-  """Runs ``tx`` under pmap; returns [(grads, out, state)] per step (numpy, memory as trees)."""
-  state = harness.init_stacked(tx, params)
-  trace = []
-  for t in range(steps):
-    g = step_grads(params, t)
-    out, state = harness.run_pmap(tx, g, state)
-    harness.assert_replicas_equal(out)
-    state_np = jax.tree.map(np.asarray, memory_trees(tx, state, params))
-    trace.append((g, jax.tree.map(np.asarray, out), state_np))
-  return trace
-
-
-def check_against(trace, reference):
-  """``reference(g, mem) -> (mean, mem)`` applied leaf by leaf, compared with the trace.
-
-  ``mem`` is the leaf's memory: an array, or a tuple of arrays for DGC (u, v).
-  """
-  names = list(trace[0][0])
-  mem = {k: None for k in names}
-  for g, out, state in trace:
-    for k in names:
-      mean, mem[k] = reference(g[k].astype(np.float32), mem[k])
-      np.testing.assert_allclose(out[k][0], mean, rtol=1e-5, atol=1e-6, err_msg=k)
-      got = state.memory
-      got = tuple(m[k] for m in got) if isinstance(got, tuple) else (got[k],)
-      want = mem[k] if isinstance(mem[k], tuple) else (mem[k],)
-      for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 # ----------------------------------------------------------------------------
