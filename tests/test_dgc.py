@@ -196,15 +196,7 @@ METHODS = ["dgc"]
 def test_pmap_equals_shard_map_and_wire_bytes(name):
   params = small_params()  # test_properties covers harness.params_tree()
   tx = pmapped(name)  # the defaults are covered by test_properties
-  sp = sm = harness.init_stacked(tx, params)
-  for t in range(2):
-    g = harness.worker_grads(params, seed=t)
-    out_p, sp = harness.run_pmap(tx, g, sp)
-    out_s, sm = harness.run_shard_map(tx, g, sm)
-    harness.assert_replicas_equal(out_p)
-    harness.assert_trees_close(out_p, out_s, rtol=0, atol=0)
-    harness.assert_trees_close(sp, sm, rtol=0, atol=0)
-  assert harness.pmap_wire_bytes(tx, params)["total"] == jaxcomp.wire_bytes(tx, params)
+  harness.check_pmap_equals_shard_map(tx, params)
 
 
 def test_nominal_bytes_per_method():
