@@ -129,7 +129,8 @@ def run_case(label: str, grads, entries, reps: int, workers: int = 8, out=sys.st
         file=out)
   print(f"{'method':<15} {'settings':<24} {'ms':>8} {'copy ms':>8} {'x copy':>7} {'target':>7} {'met':>4}"
         f" {'compile s':>9} {'met':>4} {'buckets':>7} {'colls':>5} {'temp x':>7}", file=out)
-  dense_temp = step_memory(jaxcomp.none(axis_name="data"), shapes, workers)["temp"]
+  pmap_step = len(jax.devices()) >= workers  # the 8-worker step's columns need 8 devices of this backend
+  dense_temp = step_memory(jaxcomp.none(axis_name="data"), shapes, workers)["temp"] if pmap_step else 0
   results = []
   for name, base, kwargs in entries:
     copy_s = time_copy(grads, reps)
@@ -137,7 +138,8 @@ def run_case(label: str, grads, entries, reps: int, workers: int = 8, out=sys.st
       tx = jaxcomp.steady(jaxcomp.METHODS[base](axis_name=None, **kwargs))  # after any warm-up
       compile_s = compile_seconds(tx, grads)
       t = time_update(tx, grads, reps)
-      step = step_memory(jaxcomp.steady(jaxcomp.METHODS[base](axis_name="data", **kwargs)), shapes, workers)
+      step = (step_memory(jaxcomp.steady(jaxcomp.METHODS[base](axis_name="data", **kwargs)), shapes, workers)
+              if pmap_step else {"collectives": -1, "temp": 0})
     except Exception as e:  # noqa: BLE001 - a method that cannot run here is reported, not fatal
       print(f"{name:<15} {_kw_text(kwargs):<24} failed: {type(e).__name__}: {str(e)[:80]}", file=out)
       results.append({"method": name, "case": label, "error": repr(e)})
