@@ -5,33 +5,51 @@ static ``k`` per segment, :func:`segmented_topk` returns the positions of the
 ``k_s`` entries of largest ``|x|`` of each segment ``s`` (ties to the lower
 index, as ``lax.top_k`` and a stable argsort), ascending, ``sum(k_s)`` in all.
 
-The threshold of every segment is found together: a bisection on the int32
-bit pattern of ``|x|`` (monotonic for non-negative floats), each step one pass
-over the bucket that counts, per row of ``block`` entries, the entries at or
-above their segment's current guess, then sums rows into segments. After 31
-steps each segment's threshold is its ``k``-th largest magnitude exactly. The
-mask (above it, plus the first tied entries) is packed into 32-bit words and
-compacted by :func:`jaxcomp.kernels.compaction.compact`: nothing of the
-bucket's size is sorted or scattered.
+The threshold of every segment is its ``k``-th largest magnitude, exactly,
+on the int32 bit pattern of ``|x|`` (monotonic for non-negative floats), found
+in a few passes over the bucket (:func:`kth_largest_bits`), as Floyd and
+Rivest's selection and DGC's sampled threshold: a stratified sample of each
+segment (one entry in :data:`SAMPLE_STRIDE`; a segment of at most
+:data:`SAMPLE_ALL` entries is its own sample) brackets the ``k``-th largest
+between two sample ranks ``k m / n -+ (4 sqrt(k m / n) + 4)``; one pass counts
+the entries above and inside the bracket, one more packs the bracket's
+entries (about ``8 sqrt(k n / m)``) into words and compacts them, and a
+bisection over those few finds the exact value. Where a bracket misses (a
+sample that misrepresents its segment, a band of ties larger than its slots:
+rare, and checked), the whole bucket falls back to the 31-pass bisection
+(one pass over the bucket per bit). The mask (above the threshold, plus the
+first tied entries) is packed into 32-bit words and compacted by
+:func:`jaxcomp.kernels.compaction.compact`: nothing of the bucket's size is
+sorted or scattered.
 
 References:
   Fang et al., *RedSync*, arXiv:1808.04357 (threshold search instead of a
-  sort); Shi et al., *Understanding Top-k Sparsification*, 2019.
+  sort); Shi et al., *Understanding Top-k Sparsification*, 2019; Floyd &
+  Rivest, *Expected time bounds for selection*, CACM 1975 (a sample's ranks
+  bracket the k-th); Lin et al., *Deep Gradient Compression*, ICLR 2018
+  (a sampled threshold).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp import layout
 from jaxcomp.kernels import compaction
 from jaxcomp.layout import Segments
 
+SAMPLE_STRIDE = 32  # a sampled segment: one entry of every SAMPLE_STRIDE (a stratified sample)
+SAMPLE_ALL = 8192  # a segment of at most this many entries is its own sample
 
-def kth_largest_bits(bits: jax.Array, segs: Segments, k: np.ndarray) -> jax.Array:
-  """Per segment, the ``k_s``-th largest value of ``bits`` (int32 (S,)), by bisection."""
+
+def bisect_kth(bits: jax.Array, segs: Segments, k) -> jax.Array:
+  """Per segment, the ``k_s``-th largest value of ``bits`` (int32 (S,)): 31 bisection passes."""
   k = jnp.asarray(k, jnp.int32)
   rows = segs.rows(bits)
 
@@ -51,6 +69,96 @@ def kth_largest_bits(bits: jax.Array, segs: Segments, k: np.ndarray) -> jax.Arra
 
   lo, _ = lax.fori_loop(0, 31, body, (lo0, hi0))
   return lo
+
+
+class _Plan(NamedTuple):
+  """The static sample of a bucket: per segment its size m, stratum length, ranks and band slots."""
+
+  segs: Segments  # the sample's own segments (sizes m_s, padded to rows)
+  stride: np.ndarray  # stratum length of each segment (1: the segment is its own sample)
+  rank_hi: np.ndarray  # sample rank of the bracket's upper end (>= 1)
+  rank_lo: np.ndarray  # sample rank of its lower end (<= m_s)
+  slots: np.ndarray  # the most bracket entries a segment may hold (0: its own sample)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(segs: Segments, k: tuple) -> _Plan:
+  n = np.asarray(segs.sizes, np.int64)
+  k = np.asarray(k, np.int64)
+  own = n <= SAMPLE_ALL
+  m = np.where(own, n, -(-n // SAMPLE_STRIDE))
+  stride = n // m
+  r = k * m / n
+  delta = np.where(own, 0, np.ceil(4 * np.sqrt(r) + 4)).astype(np.int64)
+  rank_hi = np.maximum(1, np.floor(r).astype(np.int64) - delta)
+  rank_lo = np.minimum(m, np.ceil(r).astype(np.int64) + delta)
+  slots = np.where(own, 0, 2 * (rank_lo - rank_hi + 2) * stride)
+  offsets = np.concatenate([[0], np.cumsum(-(-m // layout.ROW) * layout.ROW)[:-1]])
+  sample = Segments(tuple(int(o) for o in offsets), tuple(int(v) for v in m),
+                    tuple((int(v),) for v in m), layout.ROW)
+  return _Plan(sample, stride, rank_hi, rank_lo, slots)
+
+
+def _sample(bits: jax.Array, segs: Segments, plan: _Plan) -> jax.Array:
+  """One entry of each stratum of each segment (a hashed offset in it); -1 in the sample's padding."""
+  sp = plan.segs
+  local = jnp.arange(sp.length, dtype=jnp.int32) - sp.spread(jnp.asarray(sp.offsets, jnp.int32))
+  stride = sp.spread(jnp.asarray(plan.stride, jnp.int32))
+  jitter = ((local.astype(jnp.uint32) * jnp.uint32(2654435761)) >> 16).astype(jnp.int32) % stride
+  pos = sp.spread(jnp.asarray(segs.offsets, jnp.int32)) + local * stride + jitter
+  valid = local < sp.spread(jnp.asarray(sp.sizes, jnp.int32))
+  return jnp.where(valid, bits[jnp.clip(pos, 0, segs.length - 1)], -1)
+
+
+def _band_kth(bits, segs, plan, t_lo, t_hi, need, inside):
+  """Per segment, the ``need_s``-th largest of the entries in ``[t_lo, t_hi]`` (``inside``: how many)."""
+  capacity = max(int(plan.slots.sum()), 1)
+  wide = t_lo < t_hi
+  t_lo_e, t_hi_e = segs.spread(t_lo), segs.spread(t_hi)
+  words = compaction.pack_mask((bits >= t_lo_e) & (bits <= t_hi_e) & segs.spread(wide))
+  idx, _ = compaction.compact(words, segs.length, capacity)
+  vals = jnp.where(idx < segs.length, bits[jnp.minimum(idx, segs.length - 1)], -1)
+  held = jnp.where(wide, inside, 0)
+  start = compaction.exclusive_prefix(held)
+  end = start + held
+  seg = compaction.segment_of(idx, segs)
+
+  def count(t):
+    ge = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                          compaction.prefix_sum((vals >= t[seg]).astype(jnp.int32))])
+    return ge[end] - ge[start]
+
+  def body(lohi):
+    lo, hi = lohi
+    mid = lo + (hi - lo) // 2
+    enough = count(mid) >= need
+    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+  lo, _ = lax.while_loop(lambda lohi: jnp.any(lohi[1] - lohi[0] > 1), body, (t_lo, t_hi + 1))
+  return jnp.where(wide, lo, t_hi)
+
+
+def kth_largest_bits(bits: jax.Array, segs: Segments, k: np.ndarray) -> jax.Array:
+  """Per segment, the ``k_s``-th largest value of ``bits`` (int32 (S,), non-negative), exactly.
+
+  A sample brackets it, a pass counts the bracket, a bisection over its
+  compacted entries finds it (module docstring); where any segment's bracket
+  misses, :func:`bisect_kth` over the whole bucket.
+  """
+  k_np = np.broadcast_to(np.asarray(k, np.int64), (segs.count,))
+  if segs.block % compaction.WORD or segs.length <= SAMPLE_ALL:
+    return bisect_kth(bits, segs, k_np)
+  plan = _plan(segs, tuple(int(v) for v in k_np))
+  sample = _sample(bits, segs, plan)
+  t_hi, t_lo = jax.vmap(lambda r: bisect_kth(sample, plan.segs, r))(np.stack([plan.rank_hi, plan.rank_lo]))
+  above = compaction.segment_count(bits > segs.spread(t_hi), segs)
+  reach = compaction.segment_count(bits >= segs.spread(t_lo), segs)
+  k = jnp.asarray(k_np, jnp.int32)
+  inside = reach - above
+  ok = (above < k) & (reach >= k) & ((t_lo == t_hi) | (inside <= jnp.asarray(plan.slots, jnp.int32)))
+  return lax.cond(jnp.all(ok),
+                  lambda b: _band_kth(b, segs, plan, t_lo, t_hi, k - above, inside),
+                  lambda b: bisect_kth(b, segs, k_np), bits)
 
 
 def segmented_topk(x: jax.Array, segs: Segments, k: np.ndarray) -> jax.Array:
