@@ -90,7 +90,7 @@ from jaxcomp import layout
 from jaxcomp.builder import build
 from jaxcomp.collectives import golomb, ops, packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.kernels import compaction
+from jaxcomp.kernels import compaction, segtopk
 from jaxcomp.method import Method
 from jaxcomp.protocol import Ctx, Exchange, Memory, flat_route
 from jaxcomp.transformation import compressed_optimizer
@@ -148,32 +148,20 @@ def _row_sum(per_row: jax.Array, segs: layout.Segments) -> jax.Array:
   return jax.ops.segment_sum(per_row, segs.row_segment, segs.count, indices_are_sorted=True)
 
 
-def _thresholds(bits: jax.Array, segs: layout.Segments, k: jax.Array):
+def _thresholds(bits: jax.Array, segs: layout.Segments, k: np.ndarray):
   """Per segment, the bit patterns of the ``k``-th largest positive entry and ``k``-th largest negative one.
 
   ``bits``: the int32 bit pattern of a finite float32 bucket, whose order on
   entries > 0 is that of the values, and on entries < 0 (sign bit set) that
-  of the magnitudes in the low 31 bits. The patterns are built bit by bit,
-  both sides in each pass: 31 passes over the bucket, each counting per row
-  of ``block`` entries, then per segment. A side with fewer than ``k``
-  entries gets 0.
+  of the magnitudes in the low 31 bits. Each side is the exact ``k``-th
+  largest of its patterns (the other side's entries as 0), found from a
+  sampled bracket in a few passes over the bucket
+  (:func:`jaxcomp.kernels.segtopk.kth_largest_bits`). A side with fewer than
+  ``k`` entries gets 0.
   """
-  rows = segs.rows(bits)
-  negative = rows < 0
-  magnitude = rows & _SIGN
-
-  def body(i, t):
-    tp, tn = t
-    bit = jnp.left_shift(jnp.int32(1), 30 - i)
-    cp, cn = tp | bit, tn | bit
-    above_p = jnp.sum((rows >= cp[segs.row_segment][:, None]).astype(jnp.int32), axis=1)
-    above_n = jnp.sum((negative & (magnitude >= cn[segs.row_segment][:, None])).astype(jnp.int32), axis=1)
-    tp = jnp.where(_row_sum(above_p, segs) >= k, cp, tp)
-    tn = jnp.where(_row_sum(above_n, segs) >= k, cn, tn)
-    return tp, tn
-
-  zero = jnp.zeros((segs.count,), jnp.int32) + (bits[0] & 0)  # typed like bits (shard_map's varying)
-  return lax.fori_loop(0, 31, body, (zero, zero))
+  positive = jnp.maximum(bits, 0)
+  negative = jnp.where(bits < 0, bits & _SIGN, 0)
+  return segtopk.kth_largest_bits(positive, segs, k), segtopk.kth_largest_bits(negative, segs, k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +225,7 @@ class SBCExchange(Exchange):
     finite = jnp.isfinite(a)
     a = jnp.where(finite, a, 0.0)
     bits = lax.bitcast_convert_type(a, jnp.int32)
-    tp, tn = _thresholds(bits, segs, k)
+    tp, tn = _thresholds(bits, segs, kk)
     tp, tn = jnp.maximum(tp, 1), jnp.maximum(tn, 1)  # a side with fewer than k entries: all of them
     negative, magnitude = bits < 0, bits & _SIGN
     tp_e, tn_e = segs.spread(tp), segs.spread(tn)
