@@ -58,12 +58,20 @@ def test_sampled_bracket_is_exact(name):
   np.testing.assert_array_equal(fast, slow)
 
 
-def test_a_sample_that_misses_falls_back_to_bisection():
+@pytest.mark.parametrize("fooled", ["every segment", "the first segment"])
+def test_a_sample_that_misses_falls_back_to_bisection(fooled):
   """Large values everywhere but at the sampled positions: the bracket misses, the answer is still exact."""
   plan = segtopk._plan(SEGS, tuple(int(v) for v in K))
   positions = np.asarray(segtopk._sample(jnp.arange(SEGS.length, dtype=jnp.int32), SEGS, plan))
-  x = np.full(SEGS.length, 5.0, np.float32) + np.random.default_rng(0).random(SEGS.length, np.float32)
-  x[positions[positions >= 0]] = 1e-3
+  positions = positions[positions >= 0]
+  rng = np.random.default_rng(0)
+  if fooled == "every segment":
+    x = np.full(SEGS.length, 5.0, np.float32) + rng.random(SEGS.length, np.float32)
+  else:
+    x = rng.standard_normal(SEGS.length).astype(np.float32)
+    x[:SEGS.sizes[0]] = 5.0 + rng.random(SEGS.sizes[0], np.float32)
+    positions = positions[positions < SEGS.sizes[0]]
+  x[positions] = 1e-3
   fast, slow = _both(_bucket(x))
   np.testing.assert_array_equal(fast, slow)
 
@@ -77,3 +85,20 @@ def test_segmented_topk_matches_argsort():
     want = np.sort(o + np.argsort(-np.abs(xs[o:o + n]), kind="stable")[:k])
     np.testing.assert_array_equal(idx[at:at + k], want)
     at += k
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_sbc_sides_match_numpy_on_both_paths(monkeypatch, sampled):
+  """SBC's per-side k-th largest: the sampled path (XLA:CPU) and the bit-by-bit one (accelerators)."""
+  from jaxcomp.transforms import sbc as sbc_module
+
+  monkeypatch.setattr(segtopk, "sampled", lambda segs: sampled)
+  x = np.asarray(_case("ties", np.random.default_rng(5)))
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(x), jnp.int32)
+  tp, tn = jax.jit(lambda b: sbc_module._thresholds(b, SEGS, K))(bits)
+  for s, (o, n, k) in enumerate(zip(SEGS.offsets, SEGS.padded_sizes, K)):
+    seg = x[o:o + n]
+    pos, neg = np.sort(seg[seg > 0])[::-1], np.sort(-seg[seg < 0])[::-1]
+    want_p = pos[k - 1].view(np.int32) if len(pos) >= k else 0
+    want_n = neg[k - 1].view(np.int32) if len(neg) >= k else 0
+    assert (int(tp[s]), int(tn[s])) == (int(want_p), int(want_n))

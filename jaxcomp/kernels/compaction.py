@@ -203,7 +203,15 @@ def run_sums(rows: jax.Array, lengths) -> jax.Array:
 
 
 def segment_count(v: jax.Array, segs: Segments) -> jax.Array:
-  """Per-segment sums of an int32 vector (a 0/1 mask: counts) over the bucket: (S,)."""
+  """Per-segment sums of an int32 vector (a bool mask: counts) over the bucket: (S,).
+
+  A bool mask is packed into words and their bits counted: XLA:CPU writes an
+  int32 mask out in full before summing it (4 bytes per entry), the words in
+  one fused pass (1 bit per entry).
+  """
+  v = jnp.asarray(v)
+  if v.dtype == jnp.bool_ and segs.block % WORD == 0:
+    return segment_word_sum(popcount(pack_mask(v)), segs)
   rows = jnp.sum(segs.rows(jnp.asarray(v, jnp.int32)), axis=1, dtype=jnp.int32)
   return run_sums(rows, np.asarray(segs.padded_sizes) // segs.block)
 

@@ -154,14 +154,31 @@ def _thresholds(bits: jax.Array, segs: layout.Segments, k: np.ndarray):
   ``bits``: the int32 bit pattern of a finite float32 bucket, whose order on
   entries > 0 is that of the values, and on entries < 0 (sign bit set) that
   of the magnitudes in the low 31 bits. Each side is the exact ``k``-th
-  largest of its patterns (the other side's entries as 0), found from a
+  largest of its patterns (the other side's entries as 0). On XLA:CPU from a
   sampled bracket in a few passes over the bucket
-  (:func:`jaxcomp.kernels.segtopk.kth_largest_bits`). A side with fewer than
-  ``k`` entries gets 0.
+  (:func:`jaxcomp.kernels.segtopk.kth_largest_bits`); elsewhere built bit by
+  bit, both sides in each of 31 passes (a pass there runs at memory speed).
+  A side with fewer than ``k`` entries gets 0.
   """
   positive = jnp.maximum(bits, 0)
   negative = jnp.where(bits < 0, bits & _SIGN, 0)
-  return segtopk.kth_largest_bits(positive, segs, k), segtopk.kth_largest_bits(negative, segs, k)
+  if segtopk.sampled(segs):
+    return segtopk.kth_largest_bits(positive, segs, k), segtopk.kth_largest_bits(negative, segs, k)
+  rows_p, rows_n = segs.rows(positive), segs.rows(negative)
+  k = jnp.asarray(k, jnp.int32)
+
+  def body(i, t):
+    tp, tn = t
+    bit = jnp.left_shift(jnp.int32(1), 30 - i)
+    cp, cn = tp | bit, tn | bit
+    above_p = jnp.sum((rows_p >= cp[segs.row_segment][:, None]).astype(jnp.int32), axis=1)
+    above_n = jnp.sum((rows_n >= cn[segs.row_segment][:, None]).astype(jnp.int32), axis=1)
+    tp = jnp.where(_row_sum(above_p, segs) >= k, cp, tp)
+    tn = jnp.where(_row_sum(above_n, segs) >= k, cn, tn)
+    return tp, tn
+
+  zero = jnp.zeros((segs.count,), jnp.int32) + (bits[0] & 0)  # typed like bits (shard_map's varying)
+  return lax.fori_loop(0, 31, body, (zero, zero))
 
 
 @dataclasses.dataclass(frozen=True)
