@@ -1,0 +1,24 @@
+"""benchmarks/step_time.py: a whole training step per method against the dense step (a small run)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_step_time_prints_each_method_against_dense():
+  env = dict(os.environ, PJRT_NPROC="16")
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--width", "32",
+                        "--layers", "1", "--context", "16", "--batch", "2", "--reps", "2",
+                        "--methods", "topk,fp16"], capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()
+          if line and not line.startswith(("#", "method"))}
+  assert set(rows) == {"none", "topk", "fp16"}, out.stdout
+  assert float(rows["none"][1]) == 1.0
+  for name in ("topk", "fp16"):
+    ms, ratio, compile_s = map(float, rows[name])
+    assert ms > 0 and compile_s > 0
+    assert abs(ratio - ms / float(rows["none"][0])) < 0.01
