@@ -10,6 +10,7 @@ from jaxcomp.accounting import traffic, wire_bytes, wire_bytes_by_axis
 from jaxcomp.builder import build
 from jaxcomp.collectives.wire import collective_bytes, measure_wire_bytes, received_bytes
 from jaxcomp.devices import cpu_devices
+from jaxcomp.diloco import DiLoCoState, diloco, sparseloco
 from jaxcomp.finite import apply_if_finite
 from jaxcomp.memories import ef21, momentum_correction
 from jaxcomp.method import Method
@@ -29,6 +30,7 @@ from jaxcomp.transforms.codes import inceptionn, sketchml
 from jaxcomp.transforms.dense import bf16, fp16, none
 from jaxcomp.transforms.dgc import dgc
 from jaxcomp.transforms.dgc import warmup_schedule as dgc_warmup_schedule
+from jaxcomp.transforms.fp4 import fp4
 from jaxcomp.transforms.lowrank import powersgd
 from jaxcomp.transforms.quantize import natural, qsgd, terngrad, u8bit
 from jaxcomp.transforms.redsync import redsync
@@ -48,6 +50,7 @@ __all__ = [
     "dgc",
     "efsignsgd",
     "fp16",
+    "fp4",
     "inceptionn",
     "natural",
     "none",
@@ -79,8 +82,10 @@ __all__ = [
     "warmup_stages",
     # complete optimizers
     "demo",
+    "diloco",
     "onebit_adam",
     "scale_by_onebit_adam",
+    "sparseloco",
     "zero_one_adam",
     # training
     "DataParallel",
@@ -102,6 +107,7 @@ __all__ = [
     # building a method (docs/adding-a-method.md)
     "CompressState",
     "CompressionTransformation",
+    "DiLoCoState",
     "Method",
     "build",
     "compressor",

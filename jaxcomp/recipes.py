@@ -85,6 +85,7 @@ RECIPES: dict[str, Recipe] = {
     "terngrad": Recipe("outer", "unbiased given its clip"),
     "natural": Recipe("outer", "unbiased"),
     "u8bit": Recipe("outer", "8-bit table, small relative error"),
+    "fp4": Recipe("outer", "4-bit floats with error feedback: the rounding error is sent later"),
     "sketchml": Recipe("outer", "quantile buckets, small relative error"),
     "powersgd": Recipe("outer", "error feedback on a rank-4 estimate that keeps most of the energy"),
     "acpsgd": Recipe("outer", "as PowerSGD"),
@@ -157,6 +158,7 @@ ADAMW_RECIPES: dict[str, AdamWRecipe] = {
     "qsgd": AdamWRecipe("grad", "unbiased, small variance at 8 bits"),
     "natural": AdamWRecipe("grad", "unbiased, small variance"),
     "u8bit": AdamWRecipe("grad", "8-bit table, small relative error"),
+    "fp4": AdamWRecipe("grad", "4-bit floats (a fifth of each entry at most) with error feedback into Adam"),
     "sketchml": AdamWRecipe("grad", "quantile buckets, small relative error"),
     "terngrad": AdamWRecipe("grad", "unbiased ternary into Adam, clipped tighter than its default: a smaller"
                             " scale, less variance for Adam's second moment to absorb (better than its own"

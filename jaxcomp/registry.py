@@ -4,6 +4,7 @@ from jaxcomp.transforms.acpsgd import acpsgd
 from jaxcomp.transforms.codes import inceptionn, sketchml
 from jaxcomp.transforms.dense import bf16, fp16, none
 from jaxcomp.transforms.dgc import dgc
+from jaxcomp.transforms.fp4 import fp4
 from jaxcomp.transforms.lowrank import powersgd
 from jaxcomp.transforms.quantize import natural, qsgd, terngrad, u8bit
 from jaxcomp.transforms.redsync import redsync
@@ -18,7 +19,7 @@ METHODS = {
     # sparsifiers
     "topk": topk, "randomk": randomk, "threshold": threshold, "dgc": dgc, "adaq": adaq,
     # quantizers
-    "qsgd": qsgd, "terngrad": terngrad, "natural": natural, "u8bit": u8bit, "sketchml": sketchml,
+    "qsgd": qsgd, "terngrad": terngrad, "natural": natural, "u8bit": u8bit, "fp4": fp4, "sketchml": sketchml,
     "inceptionn": inceptionn,
     # sign methods
     "signsgd": signsgd, "efsignsgd": efsignsgd, "signum": signum, "onebit": onebit,

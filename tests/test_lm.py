@@ -121,3 +121,23 @@ def test_cli_end_to_end(tmp_path, capsys):
   assert "| method" in text and "held-out loss" in text and "topk" in text
   md = open(os.path.join(out, "results.md")).read()
   assert "vs dense bytes (x)" in md and "speed-up 8w@1G" in md
+
+
+@pytest.mark.slow
+def test_diloco_cli_end_to_end(tmp_path):
+  """``lm --diloco``: dp and Streaming DiLoCo (P = 2, fp4) for 4 steps, H = 2: both train, the sync's
+  compiled bytes equal jaxcomp.wire_bytes per fragment, bytes per step average a period's, the anchor
+  is shared; the table, the targets and the figure are written."""
+  out = str(tmp_path / "diloco")
+  runs = lm.main(["--diloco", "--steps", "4", "--sync-every", "2", "--fragments", "2", "--configs",
+                  "streaming-fp4", "--no-progress", "--out", out])
+  assert [r.config for r in runs] == ["dp", "streaming-fp4"] and not any(r.error for r in runs)
+  dp, st = runs
+  assert dp.mean_bytes == dp.peak_bytes == jaxcomp.wire_bytes(jaxcomp.none(axis_name="data"), lm.init_params(
+      lm.Transformer(lm.load().vocab_size), 0))
+  assert st.hlo_bytes == st.nominal_bytes and len(st.nominal_bytes) == 2
+  assert st.mean_bytes == sum(st.nominal_bytes) / 2 and st.peak_bytes == max(st.nominal_bytes)
+  assert st.anchor_shared and math.isfinite(st.held_out_loss) and st.held_out_loss < 4.6  # ln(103) = 4.63
+  md = open(os.path.join(out, "results.md")).read()
+  assert "| streaming-fp4" in md and "peak B/sync" in md and "targets:" in md
+  assert os.path.getsize(os.path.join(out, "loss_vs_bytes.png")) > 0

@@ -28,7 +28,9 @@ OTHER = (1e-7, 1e-4, 1e3)
 INVARIANT = {"signsgd", "signum"}  # a majority vote of signs: the output is +-1 at any scale
 # Its output is a power of two per entry, which c times a power of two is not unless c is one;
 # at other scales it is another draw of the same unbiased rounding (checked at powers of two only).
-POW2_ONLY = {"natural"}
+# fp4: each block's scale is a power of two (an 8-bit exponent, as MXFP4), so scaling by a power of two
+# shifts the exponents and leaves every 4-bit code alone; at other scales the codes round differently.
+POW2_ONLY = {"natural", "fp4"}
 
 
 @functools.lru_cache(maxsize=None)

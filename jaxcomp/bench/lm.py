@@ -1,7 +1,9 @@
 """The transformer language-model task of the main job: a character model of Python's own documentation.
 
 ``python -m jaxcomp.bench lm [--methods a,b|all] [--steps 300] [--chain recipe|default|both] [--lr 3e-3]
-[--seed 0] [--out DIR] [--no-progress]`` (also ``python -m jaxcomp.bench --task lm ...``)
+[--seed 0] [--out DIR] [--no-progress]`` (also ``python -m jaxcomp.bench --task lm ...``);
+``python -m jaxcomp.bench lm --diloco ...``: DiLoCo, SparseLoCo and Streaming DiLoCo against data
+parallelism (:mod:`jaxcomp.bench.diloco_lm`).
 
 The CNN task (:mod:`jaxcomp.bench.train`) has one large dense kernel; this
 one has the leaf shapes of a transformer (embeddings, attention and MLP
@@ -429,7 +431,12 @@ def _write(args, meta: dict, results: List[Result], text: str) -> None:
   print(f"wrote {', '.join(written)}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
+def main(argv: Optional[Sequence[str]] = None) -> List[Any]:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if "--diloco" in argv:  # DiLoCo, SparseLoCo and Streaming DiLoCo against data parallelism
+    from jaxcomp.bench import diloco_lm
+
+    return diloco_lm.main([a for a in argv if a != "--diloco"])
   args = _parse(argv)
   plan = runs(args.methods, args.chain)
   jaxcomp.cpu_devices(WORKERS)
@@ -437,7 +444,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
   corpus = load()
   params = init_params(Transformer(corpus.vocab_size), args.seed)
   n_params, n_leaves = num_params(params), len(jax.tree.leaves(params))
-  cmd = "python -m jaxcomp.bench lm " + " ".join(sys.argv[1:] if argv is None else argv)
+  cmd = "python -m jaxcomp.bench lm " + " ".join(argv)
   head = header(cmd.strip())
   facts = (f"data: pydoc_data.topics, {len(corpus.text):,} characters, vocabulary {corpus.vocab_size},"
            f" {len(corpus.train):,} train / {len(corpus.held_out):,} held out, context {CONTEXT};"
