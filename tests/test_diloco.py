@@ -353,3 +353,61 @@ def test_non_finite_sync_keeps_the_anchor_and_outer_state():
     finite = np.delete(p[:, 1], 3, axis=0)
     np.testing.assert_array_equal(finite, np.broadcast_to(p0, finite.shape))  # back on the old anchor
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(states.outer))
+
+
+_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
+
+
+def _computations(hlo: str) -> dict:
+  """Each computation of an HLO module's text: name -> body."""
+  out, name, body = {}, None, []
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if head and not line.startswith(" "):
+      name, body = head.group(1), []
+    elif line.startswith("}") and name is not None:
+      out[name] = "\n".join(body)
+      name = None
+    elif name is not None:
+      body.append(line)
+  return out
+
+
+def _reachable(comps: dict, root: str) -> set:
+  seen, todo = set(), [root]
+  while todo:
+    c = todo.pop()
+    if c in seen or c not in comps:
+      continue
+    seen.add(c)
+    todo.extend(re.findall(r"%([\w.\-]+)", " ".join(re.findall(
+        r"(?:calls|to_apply|body|condition|branch_computations)=\{?([^}]*)\}?", comps[c]))))
+  return seen
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_local_steps_run_no_collective(fragments):
+  """The compiled update: every collective sits in a sync branch of the step's switch; the local branch
+  (the last) and the code outside the switch reach none."""
+  params = _tree()
+  tx = jaxcomp.diloco(optax.adamw(1e-3), sync_every=4, axis_name=AXIS, fragments=fragments,
+                      compressor=jaxcomp.topk(0.1, axis_name=AXIS))
+  state = jaxcomp.per_worker(tx.init(params), N)
+  step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=AXIS)
+  hlo = step.lower(jaxcomp.per_worker(params, N), state, jaxcomp.per_worker(params, N)).compile().as_text()
+  comps = _computations(hlo)
+  entry = next(name for name in comps if re.search(rf"^ENTRY %?{re.escape(name)} ", hlo, re.M))
+  switches = re.findall(r"conditional\(.*branch_computations=\{([^}]*)\}", hlo)
+  assert switches, "the step count should pick a branch of one switch"
+  branches = [re.findall(r"%([\w.\-]+)", s) for s in switches]
+  main = max(branches, key=len)
+  assert len(main) == fragments + 1
+  with_collectives = {c for c in comps if _COLLECTIVE.search(comps[c])}
+  assert with_collectives, "a sync must communicate"
+  local = _reachable(comps, main[-1])
+  assert not local & with_collectives, "the local branch reaches a collective"
+  syncs = set().union(*(_reachable(comps, b) for b in main[:-1]))
+  outside = _reachable(comps, entry) - syncs - local
+  # computations reached from the entry other than through the switch's sync branches
+  entry_only = {c for c in outside if c not in syncs}
+  assert not entry_only & with_collectives, "a collective runs outside the sync branches"
