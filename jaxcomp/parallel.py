@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import sharded
 from jaxcomp.collectives.axis import axis_names
+from jaxcomp.diloco import DiLoCoState
 from jaxcomp.sharding import local, stacked
 from jaxcomp.transformation import compressor
 
@@ -94,7 +95,7 @@ def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransform
   spec = P(axes)
 
   def init_local(params):
-    return stacked(tx.init(params))
+    return stacked(_refuse_local_steps(tx.init(params)))
 
   init_state = jax.jit(jax.shard_map(init_local, mesh=mesh, in_specs=P(), out_specs=spec))
 
@@ -121,6 +122,21 @@ def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransform
     return step(params, opt_state, batch)
 
   return DataParallel(init, run, axes, step.lower)
+
+
+def _refuse_local_steps(state: Any) -> Any:
+  """``state``, or an error for an optimizer whose replicas differ between syncs (:func:`jaxcomp.diloco`).
+
+  The step keeps one copy of the parameters per group of the data axes, so it
+  would keep one replica's local progress and drop the others'.
+  """
+  is_diloco = lambda x: isinstance(x, DiLoCoState)  # noqa: E731
+  if any(is_diloco(x) for x in jax.tree.leaves(state, is_leaf=is_diloco)):
+    raise ValueError(
+        "data_parallel keeps one copy of the parameters, but jaxcomp.diloco (and sparseloco) lets each"
+        " worker's parameters drift between syncs: run it under jax.pmap or jax.shard_map with the"
+        " parameters per worker (docs/diloco.md)")
+  return state
 
 
 def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) -> DataParallel:
@@ -156,8 +172,9 @@ def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) ->
     params = jax.device_put(jax.tree.map(np.asarray, params), sharded.shardings(specs, mesh))
     # The parameters pass through init's program: they come back with the shardings the step returns
     # (its spec P("fsdp") for P("fsdp", None)), as a checkpoint restored into init's output does.
-    init_state = jax.jit(jax.shard_map(lambda p: (p, stacked(tx.init(p))), mesh=mesh, in_specs=(specs,),
-                                       out_specs=(specs, every)), donate_argnums=0)
+    init_local = lambda p: (p, stacked(_refuse_local_steps(tx.init(p))))  # noqa: E731
+    init_state = jax.jit(jax.shard_map(init_local, mesh=mesh, in_specs=(specs,), out_specs=(specs, every)),
+                         donate_argnums=0)
     compiled["step"] = jax.jit(
         jax.shard_map(step_local, mesh=mesh, in_specs=(specs, every, rows), out_specs=(specs, every, P()),
                       check_vma=False), donate_argnums=(0, 1) if donate else ())

@@ -140,3 +140,18 @@ def test_multisteps_and_apply_if_finite_wrap_diloco():
     np.testing.assert_array_equal(p[:, 1], p[:, 0])  # the NaN step: skipped
     assert np.all(np.isfinite(p))
     np.testing.assert_array_equal(p[:, 2], np.broadcast_to(p[:1, 2], p[:, 2].shape))  # the sync after
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_data_parallel_refuses_diloco(sharded):
+  """data_parallel keeps one copy of the parameters: with DiLoCo it would drop every other replica's local
+  progress, so it refuses at init, naming the way out."""
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((2, 4), ("dcn", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  params = {"w": jnp.zeros((8, 4)), "b": jnp.zeros((4,))}
+  tx = jaxcomp.diloco(optax.adamw(1e-3), sync_every=4, axis_name="dcn")
+  specs = {"w": P("fsdp", None), "b": P()} if sharded else None
+  dp = jaxcomp.data_parallel(lambda p, batch: jnp.sum(p["w"]), tx, mesh, param_specs=specs)
+  with pytest.raises(ValueError, match="jaxcomp.diloco .* jax.pmap or jax.shard_map"):
+    dp.init(params)
