@@ -36,7 +36,9 @@ class DataParallel(NamedTuple):
   """``init(params) -> (params, opt_state)``; ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
   ``params`` come back replicated over the mesh (with ``param_specs``:
-  sharded as they say), ``opt_state`` with one block per worker (with
+  sharded as they say; with an optimizer whose replicas differ between
+  syncs, :func:`jaxcomp.diloco`, one copy per worker of its slow axis: a
+  leading axis over it), ``opt_state`` with one block per worker (with
   ``param_specs``: per device, each the state of the device's shards);
   ``batch`` is a pytree of arrays whose leading axis is split over the data
   axes (in several processes: this process's rows, ``jax.process_count()``
@@ -71,6 +73,12 @@ def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransform
       compressed exchange moves shards (:mod:`jaxcomp.sharded`). The batch is
       still split over every axis of ``axes``. None: parameters replicated.
 
+  With :func:`jaxcomp.diloco` (or sparseloco) in ``tx`` the replicas differ
+  between syncs: the parameters are kept per worker of the axis DiLoCo syncs
+  over (a leading axis of that size, each replica sharded as ``param_specs``
+  say), the other data axes are averaged densely every step, and the inner
+  optimizer must not communicate itself.
+
   Returns:
     A :class:`DataParallel` of ``init`` and ``step`` (both jitted).
 
@@ -92,12 +100,14 @@ def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransform
     raise ValueError(f"axes must name axes of the mesh {tuple(mesh.axis_names)}, got axes={axes!r}")
   if param_specs is not None:
     return _sharded(loss_fn, tx, mesh, axes, donate, param_specs)
+  return _replicated(loss_fn, tx, mesh, axes, donate)
+
+
+def _replicated(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool) -> DataParallel:
+  """:func:`data_parallel` with the parameters replicated (or, for DiLoCo, one copy per slow worker)."""
   spec = P(axes)
 
-  def init_local(params):
-    return stacked(_refuse_local_steps(tx.init(params)))
-
-  init_state = jax.jit(jax.shard_map(init_local, mesh=mesh, in_specs=P(), out_specs=spec))
+  init_state = jax.jit(jax.shard_map(lambda p: stacked(tx.init(p)), mesh=mesh, in_specs=P(), out_specs=spec))
 
   def step_local(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -111,32 +121,42 @@ def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransform
   replicated = NamedSharding(mesh, P())
   rows = NamedSharding(mesh, spec)
 
+  delegate: dict = {}
+
   def init(params):
+    if has_local_steps(tx, mesh, jax.tree.map(lambda _: P(), params), params):
+      # Replicas that differ between syncs: the sharded step with every parameter whole keeps one
+      # copy per worker over the slow axis.
+      delegate["dp"] = _sharded(loss_fn, tx, mesh, axes, donate, jax.tree.map(lambda _: P(), params))
+      return delegate["dp"].init(params)
     # From host copies: the step donates its parameters, and the caller's arrays must survive it.
     params = jax.device_put(jax.tree.map(np.asarray, params), replicated)
     return params, init_state(params)
 
   def run(params, opt_state, batch):
+    if "dp" in delegate:
+      return delegate["dp"].step(params, opt_state, batch)
     if jax.process_count() > 1:  # this process's rows -> one global batch
       batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
     return step(params, opt_state, batch)
 
-  return DataParallel(init, run, axes, step.lower)
+  def lower(params, opt_state, batch):
+    return (delegate["dp"].lower if "dp" in delegate else step.lower)(params, opt_state, batch)
+
+  return DataParallel(init, run, axes, lower)
 
 
-def _refuse_local_steps(state: Any) -> Any:
-  """``state``, or an error for an optimizer whose replicas differ between syncs (:func:`jaxcomp.diloco`).
+def has_local_steps(tx: optax.GradientTransformation, mesh: Mesh, specs: Any, params: Any) -> bool:
+  """Whether ``tx``'s state holds a :class:`jaxcomp.diloco.DiLoCoState`: replicas that differ between syncs.
 
-  The step keeps one copy of the parameters per group of the data axes, so it
-  would keep one replica's local progress and drop the others'.
+  Read from the state's structure (``jax.eval_shape`` of ``tx.init`` inside the mesh), so an optimizer
+  wrapped in any optax wrapper is found.
   """
+  every = P(tuple(mesh.axis_names))
+  shapes = jax.eval_shape(jax.shard_map(lambda p: stacked(tx.init(p)), mesh=mesh, in_specs=(specs,),
+                                        out_specs=every), params)
   is_diloco = lambda x: isinstance(x, DiLoCoState)  # noqa: E731
-  if any(is_diloco(x) for x in jax.tree.leaves(state, is_leaf=is_diloco)):
-    raise ValueError(
-        "data_parallel keeps one copy of the parameters, but jaxcomp.diloco (and sparseloco) lets each"
-        " worker's parameters drift between syncs: run it under jax.pmap or jax.shard_map with the"
-        " parameters per worker (docs/diloco.md)")
-  return state
+  return any(is_diloco(x) for x in jax.tree.leaves(shapes, is_leaf=is_diloco))
 
 
 def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) -> DataParallel:
@@ -154,29 +174,37 @@ def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) ->
                        f"{inner.dense_axis_name!r}; with param_specs the fast axes are averaged by the"
                        " sharded step itself: build the transform with axis_name (the slow axis) alone")
     found["specs"] = sharded.normalize(param_specs, mesh, slow)
+    found["slow"] = slow
     found["fast"] = tuple(a for a in axes if a not in slow)
     return found["specs"]
 
   def step_local(params, opt_state, batch):
-    specs = found["specs"]
+    specs, replicas = found["specs"], found["replicas"]
+    params = local(params) if replicas else params
     loss, grads = jax.value_and_grad(loss_fn)(sharded.gather(params, specs), batch)
     grads = sharded.reduce_scatter_mean(grads, specs, found["fast"], mesh)
     updates, opt_state = tx.update(grads, local(opt_state), params)
-    return optax.apply_updates(params, updates), stacked(opt_state), lax.pmean(loss, axes)
+    params = optax.apply_updates(params, updates)
+    return (stacked(params) if replicas else params), stacked(opt_state), lax.pmean(loss, axes)
 
   compiled: dict = {}
 
   def init(params):
     specs = specs_for(params)
+    # Replicas that differ between syncs (jaxcomp.diloco): one copy of the parameters per worker of
+    # the slow axis, a leading axis over it, each sharded over the fast axes as its spec says.
+    replicas = found["replicas"] = has_local_steps(tx, mesh, specs, params)
+    out = jax.tree.map(lambda s: P(found["slow"], *s), specs, is_leaf=lambda x: isinstance(x, P)) \
+        if replicas else specs
     # From host copies (the step donates its parameters), each process placing its own shards.
     params = jax.device_put(jax.tree.map(np.asarray, params), sharded.shardings(specs, mesh))
     # The parameters pass through init's program: they come back with the shardings the step returns
     # (its spec P("fsdp") for P("fsdp", None)), as a checkpoint restored into init's output does.
-    init_local = lambda p: (p, stacked(_refuse_local_steps(tx.init(p))))  # noqa: E731
-    init_state = jax.jit(jax.shard_map(init_local, mesh=mesh, in_specs=(specs,), out_specs=(specs, every)),
+    init_local = lambda p: ((stacked(p) if replicas else p), stacked(tx.init(p)))  # noqa: E731
+    init_state = jax.jit(jax.shard_map(init_local, mesh=mesh, in_specs=(specs,), out_specs=(out, every)),
                          donate_argnums=0)
     compiled["step"] = jax.jit(
-        jax.shard_map(step_local, mesh=mesh, in_specs=(specs, every, rows), out_specs=(specs, every, P()),
+        jax.shard_map(step_local, mesh=mesh, in_specs=(out, every, rows), out_specs=(out, every, P()),
                       check_vma=False), donate_argnums=(0, 1) if donate else ())
     return init_state(params)
 

@@ -143,15 +143,42 @@ def test_multisteps_and_apply_if_finite_wrap_diloco():
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_data_parallel_refuses_diloco(sharded):
-  """data_parallel keeps one copy of the parameters: with DiLoCo it would drop every other replica's local
-  progress, so it refuses at init, naming the way out."""
+def test_data_parallel_keeps_a_replica_per_slow_worker(sharded):
+  """data_parallel with DiLoCo over "dcn" on a 2 x 4 mesh (parameters whole, or sharded over "fsdp"):
+  one replica per dcn worker, each the DiLoCo replica of a pmap over 2 workers whose gradient is the
+  mean over that worker's 4 devices' rows (to float32 reduction order)."""
   from jax.sharding import PartitionSpec as P
 
-  mesh = jax.make_mesh((2, 4), ("dcn", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  params = {"w": jnp.zeros((8, 4)), "b": jnp.zeros((4,))}
-  tx = jaxcomp.diloco(optax.adamw(1e-3), sync_every=4, axis_name="dcn")
-  specs = {"w": P("fsdp", None), "b": P()} if sharded else None
-  dp = jaxcomp.data_parallel(lambda p, batch: jnp.sum(p["w"]), tx, mesh, param_specs=specs)
-  with pytest.raises(ValueError, match="jaxcomp.diloco .* jax.pmap or jax.shard_map"):
-    dp.init(params)
+  mesh = jax.make_mesh((2, 4), ("dcn", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((16, 8)) * 0.1, jnp.float32), "b": jnp.zeros((8,))}
+  xs = jnp.asarray(rng.standard_normal((5, 32, 16)), jnp.float32)
+  ys = jnp.asarray(rng.standard_normal((5, 32, 8)), jnp.float32)
+
+  def loss_fn(p, batch):
+    x, y = batch
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+  def make_tx():  # top-k of a shard is not top-k of the leaf: sharded, the dense mean
+    compressor = None if sharded else jaxcomp.topk(0.5, axis_name="dcn")
+    return jaxcomp.diloco(optax.adamw(1e-2), sync_every=2, axis_name="dcn", compressor=compressor)
+
+  specs = {"w": P(None, "fsdp"), "b": P()} if sharded else None
+  dp = jaxcomp.data_parallel(loss_fn, make_tx(), mesh, param_specs=specs)
+  p, s = dp.init(params)
+  assert jax.tree.leaves(p)[0].shape[0] == 2
+  tx = make_tx()
+
+  def ref_step(p, s, batch):
+    u, s = tx.update(jax.grad(loss_fn)(p, batch), s, p)
+    return optax.apply_updates(p, u), s
+
+  ref = jax.pmap(ref_step, axis_name="dcn", devices=jax.devices()[:2])
+  rp, rs = jaxcomp.per_worker(params, 2), jaxcomp.per_worker(tx.init(params), 2)
+  for t in range(5):
+    p, s, _ = dp.step(p, s, (xs[t], ys[t]))
+    rp, rs = ref(rp, rs, (xs[t].reshape(2, 16, 16), ys[t].reshape(2, 16, 8)))
+    for got, want in zip(jax.tree.leaves(p), jax.tree.leaves(rp)):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+  w = np.asarray(p["w"])
+  assert not np.array_equal(w[0], w[1])  # step 5 is local: the replicas differ
