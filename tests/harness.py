@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -237,3 +238,26 @@ def check_pmap_equals_shard_map(tx, params):
     assert_trees_close(out_p, out_s, rtol=0, atol=0)
     assert_trees_close(sp, sm, rtol=0, atol=0)
   assert pmap_wire_bytes(tx, params)["total"] == jaxcomp.wire_bytes(tx, params)
+
+
+@functools.lru_cache(maxsize=None)
+def _scan_step(tx, n: int):
+  def run(params, state, grads):
+    def step(carry, g):
+      params, state = carry
+      u, state = tx.update(g, state, params)
+      params = optax.apply_updates(params, u)
+      return (params, state), (params, state)
+
+    return jax.lax.scan(step, (params, state), grads)[1]
+
+  return jax.pmap(run, axis_name=AXIS, devices=jax.devices()[:n])
+
+
+def pmap_scan(tx, params, grads, n: int = N):
+  """``tx`` over ``n`` workers under pmap, one compiled ``lax.scan`` over the steps.
+
+  grads: leaves (n, steps, ...). Returns (params, state) after each step, leaves (n, steps, ...).
+  """
+  out = _scan_step(tx, n)(jaxcomp.per_worker(params, n), jaxcomp.per_worker(tx.init(params), n), grads)
+  return jax.device_get(out)

@@ -1,6 +1,5 @@
 """DiLoCo, Streaming DiLoCo and SparseLoCo (jaxcomp/diloco.py); low-bit codecs (jaxcomp/transforms/fp4.py)."""
 
-import functools
 import pathlib
 import re
 
@@ -9,7 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import AXIS, N, digits, digits_accuracy, local_round_trip, pmap_wire_bytes, worker_grads
+from harness import (
+  AXIS,
+  N,
+  digits,
+  digits_accuracy,
+  local_round_trip,
+  pmap_scan,
+  pmap_wire_bytes,
+  worker_grads,
+)
 
 import jaxcomp
 from jaxcomp.diloco import fragment_leaves, leaf_costs, sync_table
@@ -18,28 +26,6 @@ from jaxcomp.transforms.fp4 import E2M1, chunked_topk, fp4_exponent
 
 def _tree():
   return {"a": jnp.zeros((6, 5)), "b": jnp.zeros((7,)), "c": jnp.zeros((3, 4)), "d": jnp.zeros((9,))}
-
-
-@functools.lru_cache(maxsize=None)
-def _pmap_run(tx, steps):
-  """``steps`` steps of ``tx`` under pmap: per step the params and state after it (a ``lax.scan``)."""
-  def run(params, state, grads):
-    def step(carry, g):
-      params, state = carry
-      u, state = tx.update(g, state, params)
-      params = optax.apply_updates(params, u)
-      return (params, state), (params, state)
-
-    return jax.lax.scan(step, (params, state), grads)[1]
-
-  return jax.pmap(run, axis_name=AXIS)
-
-
-def _run(tx, params, grads):
-  """grads: leaves (N, steps, ...). Returns (params, state) after each step, leaves (N, steps, ...)."""
-  steps = jax.tree.leaves(grads)[0].shape[1]
-  out = _pmap_run(tx, steps)(jaxcomp.per_worker(params, N), jaxcomp.per_worker(tx.init(params), N), grads)
-  return jax.device_get(out)
 
 
 def _grads(params, steps, seed=0, scale=1.0):
@@ -53,7 +39,7 @@ def test_sync_every_one_dense_outer_sgd_one_is_data_parallel_sgd_bit_for_bit():
   params = jax.tree.map(lambda p: p + 0.25, _tree())
   grads = jax.tree.map(lambda g: jnp.round(g * 8) / 8, _grads(params, 3))
   tx = jaxcomp.diloco(optax.sgd(0.5), optax.sgd(1.0), sync_every=1, axis_name=AXIS)
-  ps, _ = _run(tx, params, grads)
+  ps, _ = pmap_scan(tx, params, grads)
   expect = params
   for t in range(3):
     expect = jax.tree.map(lambda p, g: p - 0.5 * np.mean(g[:, t], axis=0), expect, grads)
@@ -70,7 +56,7 @@ def test_replicas_bit_identical_after_every_sync(compressor, fragments):
   params = jax.tree.map(lambda p: p + 1.0 + 0.1 * jnp.arange(p.size).reshape(p.shape) / p.size, _tree())
   comp = jaxcomp.topk(0.3, axis_name=AXIS) if compressor == "topk" else jaxcomp.fp4(axis_name=AXIS)
   tx = jaxcomp.diloco(optax.adamw(1e-2), sync_every=h, compressor=comp, axis_name=AXIS, fragments=fragments)
-  ps, states = _run(tx, params, _grads(params, steps, seed=1))
+  ps, states = pmap_scan(tx, params, _grads(params, steps, seed=1))
   table = sync_table(h, fragments)
   frags = fragment_leaves(leaf_costs(comp, jax.tree.leaves(params)), fragments)
   for i, (p, a) in enumerate(zip(jax.tree.leaves(ps), jax.tree.leaves(states.anchor))):
@@ -90,7 +76,7 @@ def test_replicas_within_half_ulp_where_a_parameter_crosses_zero():
   h, steps = 2, 8
   params = _tree()
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=h, axis_name=AXIS)
-  ps, states = _run(tx, params, _grads(params, steps, seed=2))
+  ps, states = pmap_scan(tx, params, _grads(params, steps, seed=2))
   for p, a in zip(jax.tree.leaves(ps), jax.tree.leaves(states.anchor)):
     for t in range(h - 1, steps, h):
       before = p[:, t - 1]
@@ -318,7 +304,7 @@ def test_shard_map_equals_pmap():
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2, compressor=jaxcomp.topk(0.3, axis_name=AXIS),
                       axis_name=AXIS)
   grads = _grads(params, 4, seed=4)
-  want, _ = _run(tx, params, grads)
+  want, _ = pmap_scan(tx, params, grads)
 
   def run(params, state, grads):
     def step(carry, g):
@@ -346,7 +332,7 @@ def test_non_finite_sync_keeps_the_anchor_and_outer_state():
   params = jax.tree.map(lambda p: p + 1.0, _tree())
   grads = jax.tree.map(lambda g: g.at[3, 0].set(jnp.nan), _grads(params, 4, seed=7))
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2, axis_name=AXIS)
-  ps, states = _run(tx, params, grads)
+  ps, states = pmap_scan(tx, params, grads)
   for p, a, p0 in zip(jax.tree.leaves(ps), jax.tree.leaves(states.anchor), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, np.broadcast_to(p0, a.shape))  # both syncs skipped
     assert np.isnan(p[3]).all()

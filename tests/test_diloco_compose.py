@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import AXIS, N, worker_grads
+from harness import AXIS, N, pmap_scan, worker_grads
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -101,21 +101,6 @@ def test_resume_mid_period_in_a_fresh_process_is_bitwise(tmp_path):
   assert not [k for k in reference if not np.array_equal(reference[k], resumed[k])]
 
 
-def _steps(tx, params, grads):
-  """Per step the params under pmap (one compiled scan)."""
-  def run(p, s, g):
-    def step(carry, g):
-      p, s = carry
-      u, s = tx.update(g, s, p)
-      p = optax.apply_updates(p, u)
-      return (p, s), p
-
-    return jax.lax.scan(step, (p, s), g)[1]
-
-  f = jax.pmap(run, axis_name=AXIS)
-  return jax.device_get(f(jaxcomp.per_worker(params, N), jaxcomp.per_worker(tx.init(params), N), grads))
-
-
 def test_multisteps_and_apply_if_finite_wrap_diloco():
   """optax.MultiSteps(diloco, k): k micro-batches make one inner step, so DiLoCo's H counts the outer
   steps (its sync after k * H micro-steps, every replica on the anchor); jaxcomp.apply_if_finite(diloco)
@@ -124,7 +109,7 @@ def test_multisteps_and_apply_if_finite_wrap_diloco():
   grads = worker_grads(jax.tree.map(lambda p: jnp.zeros((8,) + p.shape), params), seed=6)
   tx = jaxcomp.diloco(optax.adamw(1e-2), sync_every=2, axis_name=AXIS)
   multi = optax.MultiSteps(tx, every_k_schedule=2)
-  ps = _steps(multi, params, grads)
+  ps = pmap_scan(multi, params, grads)[0]
   for p in jax.tree.leaves(ps):
     for t in range(8):
       same = np.array_equal(p[:, t], np.broadcast_to(p[:1, t], p[:, t].shape))
@@ -132,10 +117,10 @@ def test_multisteps_and_apply_if_finite_wrap_diloco():
       assert same == (t in (0, 3, 4, 7)), t
   np.testing.assert_array_equal(ps["w"][:, 0], np.broadcast_to(1.0, (N, 16, 8)))
   with pytest.raises(ValueError, match="jaxcomp.apply_if_finite"):  # optax's would hang: caught
-    _steps(optax.apply_if_finite(tx, 3), params, grads)
+    pmap_scan(optax.apply_if_finite(tx, 3), params, grads)
   finite = jaxcomp.apply_if_finite(tx, 3, axis_name=AXIS)
   bad = jax.tree.map(lambda g: g.at[2, 1].set(jnp.nan), grads)  # one worker's gradient at step 1
-  got = _steps(finite, params, bad)
+  got = pmap_scan(finite, params, bad)[0]
   for p in jax.tree.leaves(got):
     np.testing.assert_array_equal(p[:, 1], p[:, 0])  # the NaN step: skipped
     assert np.all(np.isfinite(p))
