@@ -386,6 +386,21 @@ def _check_u8bit(x):
   np.testing.assert_array_equal(dec[~differ], ref_dec[~differ])
 
 
+def test_u8bit_cell_lookup_is_searchsorted_of_the_bounds():
+  """The encode's index (a cell table and one compare) is searchsorted(bounds, r, "left") exactly:
+  on every bound, its float neighbours, 0, 1, the cell edges and random r in [0, 1]."""
+  from jaxcomp.transforms.quantize import _BOUNDS
+  b = _BOUNDS
+  edges = (np.arange(0, (0x3F800000 >> 18) + 1, dtype=np.uint32) << 18).view(np.float32)
+  r = np.concatenate([b, np.nextafter(b, np.float32(0)), np.nextafter(b, np.float32(2)), edges,
+                      np.float32([0.0, 1.0, 1e-30, 1e-7]),
+                      np.random.default_rng(0).random(4096).astype(np.float32) ** 8]).astype(np.float32)
+  r = r[r <= 1.0]
+  x = np.concatenate([np.float32([1.0]), r])  # scale max|x| = 1: r is x
+  (_, code), _ = _round_trip(U8bitCodec(), x)
+  np.testing.assert_array_equal(code[:len(x)] & 0x7F, np.searchsorted(b, x, side="left"))
+
+
 def test_u8bit_matches_numpy():
   rng = np.random.default_rng(3)
   x = (rng.standard_normal(1000) * np.exp(2 * rng.standard_normal(1000))).astype(np.float32)

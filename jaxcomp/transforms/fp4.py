@@ -87,7 +87,7 @@ class FP4Codec(Codec):
   def _spread(self, e, segs):
     if self.scale_block is None:
       return segs.spread(e)
-    return jnp.repeat(e, self.scale_block, total_repeat_length=segs.length)
+    return jnp.repeat(e, self.scale_block)  # a static repeat: a broadcast (total_repeat_length would scatter)
 
   def encode(self, x, key, segs):
     e = self._exponents(x, segs)
@@ -214,7 +214,7 @@ class ChunkedLowBitTopKCodec(Codec):
 
   def _dense(self, payload, n):
     b, rows, kb = self._layout(n)
-    base = jnp.repeat(jnp.arange(rows, dtype=jnp.int32) * b, kb, total_repeat_length=rows * kb)
+    base = jnp.repeat(jnp.arange(rows, dtype=jnp.int32) * b, kb)
     pos = base + payload[0].astype(jnp.int32)
     return pos, self._unvalues(payload[1:], rows, kb)
 

@@ -172,7 +172,7 @@ class ChunkedTopKCodec(Codec):
 
   def _positions(self, off, n):
     b, rows, kb = self._layout(n)
-    base = jnp.repeat(jnp.arange(rows, dtype=jnp.int32) * b, kb, total_repeat_length=rows * kb)
+    base = jnp.repeat(jnp.arange(rows, dtype=jnp.int32) * b, kb)
     return base + off.astype(jnp.int32)
 
   def decode(self, payload, key, segs):
