@@ -121,6 +121,26 @@ class Segments:
     return jax.ops.segment_sum(jnp.sum(self.rows(v), axis=1), self.row_segment, self.count,
                                indices_are_sorted=True)
 
+  def sums(self, *values: jax.Array) -> jax.Array:
+    """Per-segment sums of several vectors of one dtype, in one pass: (len(values), S).
+
+    One variadic reduction along the rows (XLA fuses the producers of all the
+    values into it); separate sums of values computed by compares or selects
+    cost XLA:CPU a materialised bucket-sized vector and a pass each (measured:
+    three sums of a 6.5M-entry bucket 37-48 ms apart, 3.6-4.4 ms together, a
+    copy 2-6 ms).
+    """
+    if len(values) == 1:
+      return self.sum(values[0])[None]
+    zero = jnp.zeros((), values[0].dtype)
+    add = lambda a, b: tuple(p + q for p, q in zip(a, b))
+    if self.count == 1:
+      totals = lax.reduce(tuple(values), (zero,) * len(values), add, (0,))
+      return jnp.stack(totals)[:, None]
+    rows = lax.reduce(tuple(self.rows(v) for v in values), (zero,) * len(values), add, (1,))
+    return jnp.stack([jax.ops.segment_sum(r, self.row_segment, self.count, indices_are_sorted=True)
+                      for r in rows])
+
   def max(self, v: jax.Array) -> jax.Array:
     """Per-segment maxima of ``v``: (S,)."""
     if self.count == 1:

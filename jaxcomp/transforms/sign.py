@@ -42,13 +42,9 @@ def majority_vote(words: jnp.ndarray, n: int, ties: str = "zero") -> jnp.ndarray
 def segment_sums(segs: Segments, *values: jax.Array) -> jax.Array:
   """Per-segment sums of several float32 bucket vectors at once: ``(len(values), S)``.
 
-  One pass and one segment sum for all of them (counts of up to 2^24 entries
-  per segment are exact).
+  :meth:`Segments.sums` (one pass; counts of up to 2^24 entries per segment are exact).
   """
-  if segs.count == 1:
-    return jnp.stack([jnp.sum(v) for v in values])[:, None]
-  rows = jnp.stack([jnp.sum(segs.rows(v), axis=1) for v in values], axis=1)
-  return jax.ops.segment_sum(rows, jnp.asarray(segs.row_segment), segs.count, indices_are_sorted=True).T
+  return segs.sums(*values)
 
 
 def mean_abs(x: jax.Array, segs: Segments) -> jax.Array:

@@ -431,9 +431,9 @@ class AdaQCodec(Codec):
   def encode(self, x, key, segs):
     plus, minus = self._masks(x, key, segs)
     if self.uses_map(segs):
-      means = jnp.stack([
-          segs.sum(jnp.where(plus, x, 0.0)) / jnp.maximum(compaction.segment_count(plus, segs), 1),
-          segs.sum(jnp.where(minus, x, 0.0)) / jnp.maximum(compaction.segment_count(minus, segs), 1)], axis=1)
+      sums = segs.sums(jnp.where(plus, x, 0.0), jnp.where(minus, x, 0.0))
+      counts = jnp.stack([compaction.segment_count(plus, segs), compaction.segment_count(minus, segs)])
+      means = (sums / jnp.maximum(counts, 1)).T
       code = plus.astype(jnp.uint8) + 2 * minus.astype(jnp.uint8)
       return means, packing.pack(code, 2)
     # Each leaf's slots go to its positives first, then to its negatives.
