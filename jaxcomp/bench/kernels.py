@@ -14,7 +14,8 @@ Then the memory table of issue 5: the temporary bytes of each method's
 compiled pmap step on one 4096 x 4096 leaf (``--no-memory`` skips it).
 
 Options: ``--quick`` (the first 40 gradients of each model, 3 runs),
-``--methods a,b``, ``--reps R``, ``--no-memory``, ``--no-timing``, ``--json PATH``.
+``--methods a,b``, ``--models resnet50,bert``, ``--reps R``, ``--no-memory``, ``--no-timing``,
+``--json PATH``.
 On CPU, large fresh buffers cost page faults: run with
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (transparent huge pages for malloc)
 as the README's table does; the header prints the setting.
@@ -192,7 +193,12 @@ def main(argv=None) -> None:
   parser.add_argument("--no-memory", action="store_true", help="skip the compiled-memory table")
   parser.add_argument("--no-timing", action="store_true", help="only the compiled-memory table")
   parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+  parser.add_argument("--models", default="resnet50,bert",
+                      help="comma-separated gradient shapes to time: resnet50, bert (default both)")
   args = parser.parse_args(argv)
+  models = [m for m in args.models.split(",") if m]
+  if not models or any(m not in ("resnet50", "bert") for m in models):
+    raise SystemExit(f"--models takes resnet50 and/or bert, comma-separated; got {args.models!r}")
 
   import jax
 
@@ -206,11 +212,11 @@ def main(argv=None) -> None:
   methods = None if args.methods is None else [m for m in args.methods.split(",") if m]
   entries = rows(methods)
 
+  named = {"resnet50": ("ResNet-50", shp.resnet50_shapes()), "bert": ("BERT-base", shp.bert_base_shapes())}
   if args.quick:
-    cases = [("first 40 ResNet-50 gradients", shp.resnet50_shapes()[:40]),
-             ("first 40 BERT-base gradients", shp.bert_base_shapes()[:40])]
+    cases = [(f"first 40 {named[m][0]} gradients", named[m][1][:40]) for m in models]
   else:
-    cases = [("ResNet-50", shp.resnet50_shapes()), ("BERT-base", shp.bert_base_shapes())]
+    cases = [named[m] for m in models]
 
   command = "python -m jaxcomp.bench kernels " + " ".join(argv if argv is not None else sys.argv[1:])
   print(header(command.strip()))

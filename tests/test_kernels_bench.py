@@ -1,0 +1,29 @@
+"""``python -m jaxcomp.bench kernels``: one small run prints each figure beside its target."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args):
+  env = dict(os.environ, PJRT_NPROC="16")
+  return subprocess.run([sys.executable, "-m", "jaxcomp.bench", "kernels", *args], capture_output=True,
+                        text=True, env=env, timeout=600)
+
+
+def test_kernels_quick_prints_a_row_per_method_with_its_targets():
+  out = _run("--quick", "--models", "resnet50", "--methods", "fp4", "--reps", "1", "--no-memory")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "first 40 ResNet-50 gradients" in out.stdout and "BERT" not in out.stdout
+  row = next(line.split() for line in out.stdout.splitlines() if line.startswith("fp4 "))
+  ms, copy_ms, ratio = map(float, row[1:4])
+  assert ms > 0 and copy_ms > 0 and abs(ratio - ms / copy_ms) < 0.02 * ratio + 0.01
+  assert row[4:6] == ["<=", "10"] and row[6] in ("yes", "no")
+
+
+@pytest.mark.parametrize("models", ["", "resnet", "bert,gpt2"])
+def test_kernels_refuses_unknown_models(models):
+  out = _run("--models", models, "--no-memory")
+  assert out.returncode != 0 and "--models takes resnet50 and/or bert" in out.stderr
