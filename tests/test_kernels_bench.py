@@ -19,7 +19,10 @@ def test_kernels_quick_prints_a_row_per_method_with_its_targets():
   assert "first 40 ResNet-50 gradients" in out.stdout and "BERT" not in out.stdout
   row = next(line.split() for line in out.stdout.splitlines() if line.startswith("fp4 "))
   ms, copy_ms, ratio = map(float, row[1:4])
-  assert ms > 0 and copy_ms > 0 and abs(ratio - ms / copy_ms) < 0.02 * ratio + 0.01
+  assert ms > 0 and copy_ms > 0
+  # The times are printed to 0.1 ms, the ratio to 0.01: the ratio of the printed times may
+  # differ from the printed ratio by their rounding.
+  assert abs(ratio - ms / copy_ms) <= (ms / copy_ms) * (0.05 / ms + 0.05 / copy_ms) + 0.005 + 1e-9
   assert row[4:6] == ["<=", "10"] and row[6] in ("yes", "no")
 
 
