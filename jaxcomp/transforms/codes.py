@@ -123,6 +123,9 @@ def sample_positions(key: jax.Array, segs: Segments, sample_size: int) -> jax.Ar
   return jnp.asarray(segs.offsets, jnp.int32)[:, None] + local
 
 
+_COARSE = 32  # SketchML's search: split points compared directly before the binary search (P / 32 a block)
+
+
 @dataclasses.dataclass(frozen=True)
 class SketchCodec(Codec):
   """Payload: ``q`` float32 bucket means per segment and one packed bucket index per entry.
@@ -175,15 +178,28 @@ class SketchCodec(Codec):
     p = self._width(segs)
     idx = jnp.zeros(x.shape, jnp.int32)
     if p > 1:
-      # A branchless binary search of x among its segment's split points: the
-      # number of them <= x (searchsorted, side="right"), log2(P) steps. The
-      # first compares with one split point per segment (a gather at constant
-      # positions would be constant-folded into a bucket-sized array).
+      # The number of split points <= x (searchsorted, side="right"). First a
+      # count of the coarse split points (every (P / m)-th, m <= 32) below x,
+      # compares with each row's values in one fused pass; then a branchless
+      # binary search inside the block of P / m (log2(P / m) gathers). On a
+      # 6.5M-entry bucket of 64 quantiles: 7-8 ms, against 32-36 ms for the
+      # six-gather binary search (a gather per step costs XLA:CPU far more
+      # than a compare).
       edges = self.edges(x, key, segs)
-      idx = jnp.where(segs.spread(edges[:, p // 2 - 1]) <= x, p // 2, 0)
+      m = min(p, _COARSE)
+      width = p // m
+      coarse = edges[:, np.arange(1, m) * width - 1]  # (S, m - 1)
+      if segs.count == 1:
+        cols = [coarse[0, j] for j in range(m - 1)]
+      else:
+        per_row = coarse[jnp.asarray(segs.row_segment)]  # (rows, m - 1): one small gather
+        cols = [jnp.broadcast_to(per_row[:, j, None], (per_row.shape[0], segs.block)).reshape(-1)
+                for j in range(m - 1)]
+      for c in cols:
+        idx = idx + jnp.where(c <= x, width, 0)
       table = edges.reshape(-1)
       row = segs.spread(jnp.arange(segs.count, dtype=jnp.int32) * p)
-      step = p // 4
+      step = width // 2
       while step:
         cand = idx + step
         idx = jnp.where(table[row + cand - 1] <= x, cand, idx)
