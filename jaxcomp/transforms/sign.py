@@ -39,14 +39,6 @@ def majority_vote(words: jnp.ndarray, n: int, ties: str = "zero") -> jnp.ndarray
   return jnp.sign(votes).astype(jnp.float32)
 
 
-def segment_sums(segs: Segments, *values: jax.Array) -> jax.Array:
-  """Per-segment sums of several float32 bucket vectors at once: ``(len(values), S)``.
-
-  :meth:`Segments.sums` (one pass; counts of up to 2^24 entries per segment are exact).
-  """
-  return segs.sums(*values)
-
-
 def mean_abs(x: jax.Array, segs: Segments) -> jax.Array:
   """mean(|x|) of each segment (S,), over its true size (padding entries are zero)."""
   return segs.sum(jnp.abs(x)) / jnp.asarray(segs.sizes, jnp.float32)
@@ -278,8 +270,8 @@ class OneBitCodec(Codec):
   def encode(self, x, key, segs):
     words = packing.pack_signs(x)
     # Padding entries are zeros: non-negative, adding nothing to the sums, not counted.
-    neg, pos, n_neg = segment_sums(segs, jnp.minimum(x, 0.0), jnp.maximum(x, 0.0),
-                                   (x < 0).astype(jnp.float32))
+    # One pass for the three sums (Segments.sums).
+    neg, pos, n_neg = segs.sums(jnp.minimum(x, 0.0), jnp.maximum(x, 0.0), (x < 0).astype(jnp.float32))
     n_pos = jnp.asarray(segs.sizes, jnp.float32) - n_neg
     means = jnp.stack([neg / jnp.maximum(n_neg, 1.0), pos / jnp.maximum(n_pos, 1.0)])
     return means, words
