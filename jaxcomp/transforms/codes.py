@@ -189,13 +189,7 @@ class SketchCodec(Codec):
       m = min(p, _COARSE)
       width = p // m
       coarse = edges[:, np.arange(1, m) * width - 1]  # (S, m - 1)
-      if segs.count == 1:
-        cols = [coarse[0, j] for j in range(m - 1)]
-      else:
-        per_row = coarse[jnp.asarray(segs.row_segment)]  # (rows, m - 1): one small gather
-        cols = [jnp.broadcast_to(per_row[:, j, None], (per_row.shape[0], segs.block)).reshape(-1)
-                for j in range(m - 1)]
-      for c in cols:
+      for c in _spread(segs, *(coarse[:, j] for j in range(m - 1))):  # one small gather of rows
         idx = idx + jnp.where(c <= x, width, 0)
       table = edges.reshape(-1)
       row = segs.spread(jnp.arange(segs.count, dtype=jnp.int32) * p)
