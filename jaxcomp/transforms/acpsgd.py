@@ -52,7 +52,7 @@ from jaxcomp.collectives.axis import AxisName
 from jaxcomp.method import Method
 from jaxcomp.protocol import DENSE, Ctx, FusedExchange, GroupExchange, Memory
 from jaxcomp.transforms import _args
-from jaxcomp.transforms.lowrank import compression_rate, keep_nonzero_columns, matrix_route, orthogonalize
+from jaxcomp.transforms.lowrank import compression_rate, keep_nonzero_columns, matrix_route, orthogonalize_all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +200,13 @@ class ACPFusion(FusedExchange):
     """Local factors at ``parity``: (locals, fixed factors, one buffer per bucket)."""
     role = self._roles(parity, buckets)
     locals_, fixed, sent = [], [], {}
+    todo, fixed_rows = [], {}  # every factor to orthogonalize this step, in one batched chain
+    for g, ((ex, _, idx), state) in enumerate(zip(groups, extras)):
+      if isinstance(ex, ACPFactors):
+        p_rows, q_rows = fixed_rows[g] = _rows(role, g, len(idx))
+        todo += [_take(state[1], p_rows)] if p_rows.size else []
+        todo += [_take(state[0], q_rows)] if q_rows.size else []
+    done = iter(orthogonalize_all(todo))
     for g, ((ex, _, idx), X, state) in enumerate(zip(groups, xs, extras)):
       if not isinstance(ex, ACPFactors):
         locals_.append(X)
@@ -210,16 +217,16 @@ class ACPFusion(FusedExchange):
         continue
       P, Q = state
       local = X
-      p_rows, q_rows = _rows(role, g, len(idx))
+      p_rows, q_rows = fixed_rows[g]
       if p_rows.size:
-        Qo = orthogonalize(_take(Q, p_rows))
+        Qo = next(done)
         Pl = jnp.einsum("gab,gbr->gar", _take(X, p_rows), Qo)
         local = _put(local, p_rows, jnp.einsum("gar,gbr->gab", Pl, Qo))
         Q = _put(Q, p_rows, Qo)
         for i, j in enumerate(p_rows):
           sent[g, int(j)] = Pl[i].reshape(-1) / num
       if q_rows.size:
-        Po = orthogonalize(_take(P, q_rows))
+        Po = next(done)
         Ql = jnp.einsum("gab,gar->gbr", _take(X, q_rows), Po)
         local = _put(local, q_rows, jnp.einsum("gar,gbr->gab", Po, Ql))
         P = _put(P, q_rows, Po)

@@ -162,7 +162,7 @@ def _unstack(groups, stacked, segs: layout.Segments) -> jax.Array:
 _PAD_FLOATS = 1 << 20  # padding allowed to batch small P factors (beyond the factors' own size)
 
 
-def _orthogonalize_all(Ps):
+def orthogonalize_all(Ps):
   """:func:`orthogonalize` of every view group's factor ``(G, a, r)``, batched across views.
 
   Factors of different views are zero-padded to common ``(a, r)`` and
@@ -271,11 +271,11 @@ class PowerSGDExchange(Exchange):
     groups = _view_groups(segs)
     axis = ctx.axis
     Xs = [_stack(x, segs, view, idx) for view, idx in groups]
-    Qs = _orthogonalize_all(self.warm_start(segs, Q))  # the same on every worker: no communication
+    Qs = orthogonalize_all(self.warm_start(segs, Q))  # the same on every worker: no communication
     P = _flat([jnp.einsum("gab,gbr->gar", X, Q) for X, Q in zip(Xs, Qs)])
     P = ops.allreduce_sum(P, axis) / axis.size  # every view's P in one all-reduce
     Ps = _split(P, [(len(idx), view[0], self._r(view)) for view, idx in groups])
-    Ps = _orthogonalize_all(Ps)
+    Ps = orthogonalize_all(Ps)
     Qn = _flat([jnp.einsum("gab,gar->gbr", X, P) for X, P in zip(Xs, Ps)])
     Qn = ops.allreduce_sum(Qn, axis) / axis.size  # and every Q in another
     Qns = _split(Qn, self._shapes(segs))
