@@ -249,12 +249,10 @@ class SBCExchange(Exchange):
     above_p, tie_p = bits > tp_e, bits == tp_e
     above_n, tie_n = negative & (magnitude > tn_e), negative & (magnitude == tn_e)
 
-    # Per segment, for each side: entries above the threshold, entries at it, the sum above it.
-    def per_segment(vectors):
-      return _row_sum(jnp.stack([segs.rows(v).sum(axis=1) for v in vectors], 1), segs)
-
-    counts = per_segment([v.astype(jnp.int32) for v in (above_p, tie_p, above_n, tie_n)])
-    sums = per_segment([jnp.where(above_p, a, 0.0), jnp.where(above_n, -a, 0.0)])
+    # Per segment, for each side: entries above the threshold, entries at it, the sum above it
+    # (one variadic row reduction per dtype: Segments.sums).
+    counts = segs.sums(*(v.astype(jnp.int32) for v in (above_p, tie_p, above_n, tie_n))).T
+    sums = segs.sums(jnp.where(above_p, a, 0.0), jnp.where(above_n, -a, 0.0)).T
 
     def side(strict, at, summed, t):
       count = jnp.minimum(k, strict + at)
