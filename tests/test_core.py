@@ -397,12 +397,16 @@ def test_nan_reaches_the_output_but_not_the_residual():
   np.testing.assert_allclose((sent + res)[finite], np.asarray(g["w"])[finite])
 
 
-@pytest.mark.parametrize("name", ["topk", "qsgd"])
-def test_a_nan_among_equal_values_makes_every_output_nan(name):
-  """Regression: a NaN among equal magnitudes once passed the non-finite check (a max-reduction lost it)."""
+@pytest.mark.parametrize("name,bad", [("topk", jnp.nan), ("qsgd", jnp.nan), ("topk", jnp.inf),
+                                      ("qsgd", -jnp.inf)])
+def test_a_nan_among_equal_values_makes_every_output_nan(name, bad):
+  """Regression: a NaN among equal magnitudes once passed the non-finite check (a max-reduction lost it).
+
+  An Inf of either sign must flag the step too.
+  """
   tx = jaxcomp.METHODS[name](axis_name=AXIS)
   params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros((100,))}  # XLA:CPU lost it in 4096 equal values
-  grads = {"w": jnp.ones((N, 64, 64)).at[5, 1, 2].set(jnp.nan), "b": jnp.ones((N, 100))}
+  grads = {"w": jnp.ones((N, 64, 64)).at[5, 1, 2].set(bad), "b": jnp.ones((N, 100))}
   out, _ = run_pmap(tx, grads, init_stacked(tx, params))
   for leaf in jax.tree.leaves(out):
     assert np.all(np.isnan(np.asarray(leaf)))
