@@ -106,17 +106,26 @@ class _Bucket:
   lowrank: tuple[_Item, ...]
   length: int  # float32 entries, the same at both parities
 
-  def offsets(self, parity: int):
-    """(item, start, size) for every item at ``parity``: dense first, then the factors."""
-    out, at = [], 0
-    for it in self.dense:
-      out.append((it, at, it.p))
-      at += it.p
-    for it in self.lowrank:
-      size = it.p if (parity + it.phase) % 2 == 0 else it.q
-      out.append((it, at, size))
-      at += size
-    return out
+  @property
+  def dense_length(self) -> int:
+    """Entries of the dense leaves, at the front of the buffer at either parity."""
+    return sum(it.p for it in self.dense)
+
+
+DENSE_ROLE = 2  # a run of dense leaves (roles 0 and 1: P and Q factors)
+
+
+def _merge_runs(items):
+  """``(g, role, i, size)`` in buffer order -> runs ``(g, role, i0, i1, start, size)`` of consecutive i."""
+  runs, at = [], 0
+  for g, role, i, size in items:
+    last = runs[-1] if runs else None
+    if last is not None and (last[0], last[1], last[3], last[5]) == (g, role, i, size):
+      last[3] += 1
+    else:
+      runs.append([g, role, i, i + 1, at, size])
+    at += size
+  return [tuple(r) for r in runs]
 
 
 def _rows(role, g, size):
@@ -142,6 +151,9 @@ class ACPFusion(FusedExchange):
   filled in leaf order up to ``bucket_bytes`` (one bucket when None); inside
   a bucket, phases are chosen so that the factors sent at even and at odd
   steps have nearly the same total size (the buffer has one static length).
+  A buffer holds the dense leaves first (the same at either parity, built and
+  read outside the step's ``lax.cond``), then the factors by group, role and
+  position (:meth:`_runs`), so each group's part is one slice, not one per leaf.
   """
 
   bucket_bytes: int | None = None
@@ -196,8 +208,31 @@ class ACPFusion(FusedExchange):
     """``(group, position) -> 0`` for the matrices sending P at ``parity``, 1 for Q."""
     return {(it.g, it.j): (parity + it.phase) % 2 for b in buckets for it in b.lowrank}
 
+  def _runs(self, parity, buckets):
+    """Per bucket, its buffer at ``parity`` as runs ``(g, role, i0, i1, start, size)``.
+
+    Dense leaves come first, by group and position (role :data:`DENSE_ROLE`,
+    rows ``i0:i1`` of the group); then the factors by group, role and
+    position (role 0: P, role 1: Q; rows ``i0:i1`` of the group's matrices
+    sending that factor, in :func:`_rows` order). A run is contiguous in the
+    buffer and in its group's stack, so it is one slice on either side: no
+    kernel per leaf.
+    """
+    role = self._roles(parity, buckets)
+    rank, seen = {}, {}
+    for g, j in sorted(role):
+      rank[g, j] = seen.get((g, role[g, j]), 0)
+      seen[g, role[g, j]] = rank[g, j] + 1
+    out = []
+    for b in buckets:
+      items = sorted((it.g, DENSE_ROLE, it.j, it.p) for it in b.dense)
+      items += sorted((it.g, role[it.g, it.j], rank[it.g, it.j], it.q if role[it.g, it.j] else it.p)
+                      for it in b.lowrank)
+      out.append(_merge_runs(items))
+    return out
+
   def _send(self, parity, groups, xs, extras, buckets, num):
-    """Local factors at ``parity``: (locals, fixed factors, one buffer per bucket)."""
+    """The factors at ``parity``: (locals, fixed factors, per bucket its factor runs' part of the buffer)."""
     role = self._roles(parity, buckets)
     locals_, fixed, sent = [], [], {}
     todo, fixed_rows = [], {}  # every factor to orthogonalize this step, in one batched chain
@@ -209,11 +244,6 @@ class ACPFusion(FusedExchange):
     done = iter(orthogonalize_all(todo))
     for g, ((ex, _, idx), X, state) in enumerate(zip(groups, xs, extras)):
       if not isinstance(ex, ACPFactors):
-        locals_.append(X)
-        fixed.append(())
-        flat = X.reshape(len(idx), -1) / num
-        for j in range(len(idx)):
-          sent[g, j] = flat[j]
         continue
       P, Q = state
       local = X
@@ -223,54 +253,65 @@ class ACPFusion(FusedExchange):
         Pl = jnp.einsum("gab,gbr->gar", _take(X, p_rows), Qo)
         local = _put(local, p_rows, jnp.einsum("gar,gbr->gab", Pl, Qo))
         Q = _put(Q, p_rows, Qo)
-        for i, j in enumerate(p_rows):
-          sent[g, int(j)] = Pl[i].reshape(-1) / num
+        sent[g, 0] = Pl.reshape(Pl.shape[0], -1) / num
       if q_rows.size:
         Po = next(done)
         Ql = jnp.einsum("gab,gar->gbr", _take(X, q_rows), Po)
         local = _put(local, q_rows, jnp.einsum("gar,gbr->gab", Po, Ql))
         P = _put(P, q_rows, Po)
-        for i, j in enumerate(q_rows):
-          sent[g, int(j)] = Ql[i].reshape(-1) / num
+        sent[g, 1] = Ql.reshape(Ql.shape[0], -1) / num
       locals_.append(local)
       fixed.append((P, Q))
-    buffers = []
-    for b in buckets:
-      parts = [sent[it.g, it.j] for it, _, _ in b.offsets(parity)]
-      used = sum(int(p.shape[0]) for p in parts)
-      parts.append(jnp.zeros((b.length - used,), jnp.float32))
-      buffers.append(jnp.concatenate(parts))
-    return locals_, fixed, buffers
+    parts = []
+    for b, runs in zip(buckets, self._runs(parity, buckets)):
+      pieces = [sent[g, f][i0:i1].reshape(-1) for g, f, i0, i1, _, _ in runs if f != DENSE_ROLE]
+      used = sum(int(p.shape[0]) for p in pieces)
+      pieces.append(jnp.zeros((b.length - b.dense_length - used,), jnp.float32))
+      parts.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
+    return locals_, fixed, parts
 
-  def _receive(self, parity, groups, xs, extras, fixed, buffers, buckets):
-    """Means and new states from the summed buffers at ``parity``."""
+  def _receive(self, parity, groups, fixed, parts, buckets):
+    """Means and new states of the factor groups from their summed parts of the buffers at ``parity``."""
     role = self._roles(parity, buckets)
     got = {}
-    for b, buf in zip(buckets, buffers):
-      for it, start, size in b.offsets(parity):
-        got[it.g, it.j] = buf[start:start + size]
-    means, states = [], []
-    for g, ((ex, view, idx), X, old, fix) in enumerate(zip(groups, xs, extras, fixed, strict=True)):
+    for b, runs, part in zip(buckets, self._runs(parity, buckets), parts):
+      for g, f, i0, i1, start, size in runs:
+        if f != DENSE_ROLE:
+          at = start - b.dense_length
+          got.setdefault((g, f), []).append((i0, part[at:at + (i1 - i0) * size].reshape(i1 - i0, -1)))
+    means, states, k = [], [], 0
+    for g, (ex, view, idx) in enumerate(groups):
       if not isinstance(ex, ACPFactors):
-        means.append(jnp.stack([got[g, j].reshape(view) for j in range(len(idx))]))
-        states.append(old)
         continue
       a, b = view
-      P, Q = fix
-      mean = X
+      P, Q = fixed[k]
+      k += 1
+      mean = jnp.zeros((len(idx), a, b), jnp.float32)
       p_rows, q_rows = _rows(role, g, len(idx))
       if p_rows.size:
-        Pm = jnp.stack([got[g, int(j)].reshape(a, -1) for j in p_rows])
+        Pm = _in_order(got[g, 0]).reshape(-1, a, P.shape[-1])
         mean = _put(mean, p_rows, jnp.einsum("gar,gbr->gab", Pm, _take(Q, p_rows)))
         # not a plain Pm: P keeps the state's (varying) type; a zero column keeps the last one
         P = P.at[p_rows].set(keep_nonzero_columns(Pm, _take(P, p_rows)))
       if q_rows.size:
-        Qm = jnp.stack([got[g, int(j)].reshape(b, -1) for j in q_rows])
+        Qm = _in_order(got[g, 1]).reshape(-1, b, Q.shape[-1])
         mean = _put(mean, q_rows, jnp.einsum("gar,gbr->gab", _take(P, q_rows), Qm))
         Q = Q.at[q_rows].set(keep_nonzero_columns(Qm, _take(Q, q_rows)))
       means.append(mean)
       states.append((P, Q))  # a non-finite factor means a non-finite mean: build() restores them
     return means, states
+
+  def _dense(self, groups, xs, buckets, num, buffers=None):
+    """The dense leaves' part of each buffer (``buffers`` None), or their means from the summed buffers."""
+    runs = [[r for r in rs if r[1] == DENSE_ROLE] for rs in self._runs(0, buckets)]  # either parity
+    if buffers is None:
+      return [[xs[g].reshape(xs[g].shape[0], -1)[i0:i1].reshape(-1) / num for g, _, i0, i1, _, _ in rs]
+              for rs in runs]
+    got = {}
+    for rs, buf in zip(runs, buffers):
+      for g, _, i0, i1, start, size in rs:
+        got.setdefault(g, []).append((i0, buf[start:start + (i1 - i0) * size].reshape(i1 - i0, -1)))
+    return {g: _in_order(v).reshape(xs[g].shape) for g, v in got.items()}
 
   def __call__(self, groups, xs, extras, ctx: Ctx):
     buckets = self.layout(groups)
@@ -280,14 +321,34 @@ class ACPFusion(FusedExchange):
     def send(parity):
       return lambda: self._send(parity, groups, xs, extras, buckets, num)
 
-    locals_, fixed, buffers = lax.cond(even, send(0), send(1))
+    # Only the factors depend on the parity: the dense leaves stay out of both branches.
+    locals_, fixed, parts = lax.cond(even, send(0), send(1))
+    buffers = [_joined(d + [f]) for d, f in zip(self._dense(groups, xs, buckets, num), parts)]
     buffers = ops.allreduce_sum(buffers, ctx.axis)
+    parts = [buf[b.dense_length:] for b, buf in zip(buckets, buffers)]
 
     def receive(parity):
-      return lambda: self._receive(parity, groups, xs, extras, fixed, buffers, buckets)
+      return lambda: self._receive(parity, groups, fixed, parts, buckets)
 
     means, states = lax.cond(even, receive(0), receive(1))
-    return list(zip(means, locals_, states))
+    dense_means = self._dense(groups, xs, buckets, num, buffers)
+    out, k = [], 0
+    for g, ((ex, _, _), X, old) in enumerate(zip(groups, xs, extras)):
+      if isinstance(ex, ACPFactors):
+        out.append((means[k], locals_[k], states[k]))
+        k += 1
+      else:
+        out.append((dense_means[g], X, old))
+    return out
+
+
+def _joined(parts):
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def _in_order(pieces):
+  """``(i0, rows)`` pieces of one stack (from any buckets, in any order) -> the stack's rows in order."""
+  return _joined([rows for _, rows in sorted(pieces, key=lambda p: p[0])])
 
 
 def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None = None,
