@@ -145,3 +145,21 @@ def test_memory_tree_reads_the_residual_as_the_gradients():
   for k in params:
     assert np.count_nonzero(sent[k]) == int(np.ceil(0.25 * params[k].size))
   assert N == 8
+
+
+@pytest.mark.parametrize("sizes", [(300,), (1000, 7, 260, 128)])
+def test_segment_sum_max_equals_the_separate_reductions(sizes):
+  """Segments.sum_max (one variadic pass) gives each segment's sum and its maximum as Segments.max does."""
+  from jaxcomp.layout import Segments, padded
+
+  offsets = np.concatenate([[0], np.cumsum([padded(n, 128) for n in sizes])[:-1]])
+  segs = Segments(tuple(int(o) for o in offsets), sizes, tuple((n,) for n in sizes), 128)
+  rng = np.random.default_rng(0)
+  x = np.zeros(segs.length, np.float32)
+  for o, n in zip(offsets, sizes):
+    x[o:o + n] = rng.standard_normal(n).astype(np.float32) * 1e-6
+  x = jnp.asarray(x)
+  total, top = jax.jit(lambda v: segs.sum_max(v * v, -v))(x)
+  want_sum = [np.sum(np.asarray(x, np.float64)[o:o + n] ** 2) for o, n in zip(offsets, sizes)]
+  np.testing.assert_allclose(np.asarray(total), want_sum, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(top), np.asarray(segs.max(-x)))

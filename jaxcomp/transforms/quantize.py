@@ -115,17 +115,19 @@ class TernGradCodec(Codec):
   clip_sigma: float | None
   block = 128
 
-  def clip(self, x: jax.Array, segs: Segments) -> jax.Array:
-    """Clips each segment of x to +-clip_sigma * sigma, sigma the segment's root mean square."""
+  def clip(self, x: jax.Array, segs: Segments):
+    """``(x, scale)``: each segment of x clipped to +-clip_sigma * sigma (sigma: the segment's root mean
+    square) and its largest clipped magnitude, from one pass over the bucket (``max |clip(x)| =
+    min(max |x|, bound)``)."""
     if self.clip_sigma is None:
-      return x
-    bound = self.clip_sigma * jnp.sqrt(segs.sum(jnp.square(x)) / jnp.asarray(segs.sizes, jnp.float32))
-    bound = segs.spread(bound)
-    return jnp.clip(x, -bound, bound)
+      return x, segs.max(jnp.abs(x))
+    squares, top = segs.sum_max(jnp.square(x), jnp.abs(x))
+    bound = self.clip_sigma * jnp.sqrt(squares / jnp.asarray(segs.sizes, jnp.float32))
+    spread = segs.spread(bound)
+    return jnp.clip(x, -spread, spread), jnp.minimum(top, bound)
 
   def encode(self, x, key, segs):
-    x = self.clip(x, segs)
-    scale = segs.max(jnp.abs(x))
+    x, scale = self.clip(x, segs)
     u = rng.uniform(key, x.shape)
     keep = u * segs.spread(scale) < jnp.abs(x)
     q = jnp.where(keep, jnp.sign(x), 0.0) + 1.0  # {-1, 0, 1} -> {0, 1, 2}
