@@ -301,15 +301,20 @@ class ACPFusion(FusedExchange):
       states.append((P, Q))  # a non-finite factor means a non-finite mean: build() restores them
     return means, states
 
-  def _dense(self, groups, xs, buckets, num, buffers=None):
-    """The dense leaves' part of each buffer (``buffers`` None), or their means from the summed buffers."""
-    runs = [[r for r in rs if r[1] == DENSE_ROLE] for rs in self._runs(0, buckets)]  # either parity
-    if buffers is None:
-      return [[xs[g].reshape(xs[g].shape[0], -1)[i0:i1].reshape(-1) / num for g, _, i0, i1, _, _ in rs]
-              for rs in runs]
+  def _dense_runs(self, buckets):
+    """Per bucket, the runs of its dense leaves (the same at either parity)."""
+    return [[r for r in runs if r[1] == DENSE_ROLE] for runs in self._runs(0, buckets)]
+
+  def _dense_parts(self, xs, buckets, num):
+    """Per bucket, the pieces of its buffer that hold the dense leaves (divided by ``num``)."""
+    return [[xs[g].reshape(xs[g].shape[0], -1)[i0:i1].reshape(-1) / num for g, _, i0, i1, _, _ in runs]
+            for runs in self._dense_runs(buckets)]
+
+  def _dense_means(self, xs, buckets, buffers):
+    """``group -> mean`` of every dense group, read from the summed buffers."""
     got = {}
-    for rs, buf in zip(runs, buffers):
-      for g, _, i0, i1, start, size in rs:
+    for runs, buf in zip(self._dense_runs(buckets), buffers):
+      for g, _, i0, i1, start, size in runs:
         got.setdefault(g, []).append((i0, buf[start:start + (i1 - i0) * size].reshape(i1 - i0, -1)))
     return {g: _in_order(v).reshape(xs[g].shape) for g, v in got.items()}
 
@@ -323,7 +328,7 @@ class ACPFusion(FusedExchange):
 
     # Only the factors depend on the parity: the dense leaves stay out of both branches.
     locals_, fixed, parts = lax.cond(even, send(0), send(1))
-    buffers = [_joined(d + [f]) for d, f in zip(self._dense(groups, xs, buckets, num), parts)]
+    buffers = [_joined(d + [f]) for d, f in zip(self._dense_parts(xs, buckets, num), parts)]
     buffers = ops.allreduce_sum(buffers, ctx.axis)
     parts = [buf[b.dense_length:] for b, buf in zip(buckets, buffers)]
 
@@ -331,7 +336,7 @@ class ACPFusion(FusedExchange):
       return lambda: self._receive(parity, groups, fixed, parts, buckets)
 
     means, states = lax.cond(even, receive(0), receive(1))
-    dense_means = self._dense(groups, xs, buckets, num, buffers)
+    dense_means = self._dense_means(xs, buckets, buffers)
     out, k = [], 0
     for g, ((ex, _, _), X, old) in enumerate(zip(groups, xs, extras)):
       if isinstance(ex, ACPFactors):
