@@ -64,7 +64,10 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
   skips it on all replicas), the residual keeps every finite value and the
   exchanges' state is left as it was. Exchanges that do not carry NaN/Inf
   into the mean themselves (``carries_nonfinite``) cost one float32
-  all-reduce per step for it, counted by :func:`jaxcomp.wire_bytes`.
+  all-reduce per step for it, counted by :func:`jaxcomp.wire_bytes`, and a
+  check over the buckets. Stateless methods whose exchanges carry it return
+  exactly their mean, non-finite where the payload put it (a leaf's NaN
+  norm, a NaN flag), identical on every worker.
   """
   settings = checks.settings(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name,
                              transport)

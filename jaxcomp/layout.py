@@ -165,6 +165,17 @@ class Segments:
     return jax.ops.segment_max(jnp.max(self.rows(v), axis=1), self.row_segment, self.count,
                                indices_are_sorted=True)
 
+  def max_abs(self, v: jax.Array) -> jax.Array:
+    """Per-segment maxima of ``|v|`` (float32): (S,), NaN where a segment holds a NaN.
+
+    An integer maximum of the bits of ``|v|`` (their order is that of the
+    values, every NaN above Inf): XLA:CPU's vectorised float maximum can drop a
+    NaN among equal values, so a codec whose scale is this maximum carries every
+    NaN and Inf into its payload (:attr:`jaxcomp.protocol.Codec.carries_nonfinite`).
+    """
+    bits = lax.bitcast_convert_type(jnp.abs(v.astype(jnp.float32)), jnp.int32)
+    return lax.bitcast_convert_type(self.max(bits), jnp.float32)
+
   def spread(self, values: jax.Array) -> jax.Array:
     """(S,) per-segment values -> (length,), each entry its segment's value."""
     if self.count == 1:

@@ -160,7 +160,12 @@ class Codec(abc.ABC):
 
   carries_nonfinite: bool = False
   """A NaN/Inf in any worker's input always reaches the decoded mean (a float
-  psum does): the builder then needs no flag collective for non-finite steps."""
+  psum does; so does a scale or norm computed by a sum or by
+  :meth:`jaxcomp.layout.Segments.max_abs`, or the flag of
+  :func:`jaxcomp.collectives.packing.pack_checked`): the builder then needs no
+  flag collective and no check over the buckets of its own, which costs
+  XLA:CPU a materialised bucket (ResNet-50's signSGD update 42-50 ms with it,
+  17-22 ms without)."""
 
   block: int = 1
   """Segments start at multiples of ``block`` and are zero-padded to one."""

@@ -397,19 +397,29 @@ def test_nan_reaches_the_output_but_not_the_residual():
   np.testing.assert_allclose((sent + res)[finite], np.asarray(g["w"])[finite])
 
 
-@pytest.mark.parametrize("name,bad", [("topk", jnp.nan), ("qsgd", jnp.nan), ("topk", jnp.inf),
-                                      ("qsgd", -jnp.inf)])
-def test_a_nan_among_equal_values_makes_every_output_nan(name, bad):
+@pytest.mark.parametrize("name,bad,kw", [("topk", jnp.nan, {}), ("qsgd", jnp.nan, {}), ("topk", jnp.inf, {}),
+                                         ("qsgd", -jnp.inf, {}), ("signsgd", jnp.nan, {}),
+                                         ("u8bit", jnp.nan, {}), ("terngrad", jnp.nan, {"clip_sigma": None}),
+                                         ("natural", -jnp.inf, {})])
+def test_a_nan_among_equal_values_flags_the_step(name, bad, kw):
   """Regression: a NaN among equal magnitudes once passed the non-finite check (a max-reduction lost it).
 
-  An Inf of either sign must flag the step too.
+  An Inf of either sign must flag the step too. Methods whose payload carries
+  NaN/Inf (a scale, a norm, a flag: ``carries_nonfinite``) put it in the mean,
+  identically on every worker; the others make every output NaN.
   """
-  tx = jaxcomp.METHODS[name](axis_name=AXIS)
+  tx = jaxcomp.METHODS[name](axis_name=AXIS, **kw)
   params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros((100,))}  # XLA:CPU lost it in 4096 equal values
   grads = {"w": jnp.ones((N, 64, 64)).at[5, 1, 2].set(bad), "b": jnp.ones((N, 100))}
   out, _ = run_pmap(tx, grads, init_stacked(tx, params))
+  carried = tx.method.carries_nonfinite(params)
+  assert carried == (name != "topk")
   for leaf in jax.tree.leaves(out):
-    assert np.all(np.isnan(np.asarray(leaf)))
+    a = np.asarray(leaf)
+    np.testing.assert_array_equal(a, np.broadcast_to(a[:1], a.shape))  # NaN == NaN here
+    assert np.all(np.isnan(a)) or carried
+  assert not np.isfinite(np.asarray(out["w"])[0]).any() or name == "natural"
+  assert not np.isfinite(np.asarray(out["w"])[0]).all()
 
 
 def test_empty_and_scalar_leaves():

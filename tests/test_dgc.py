@@ -206,7 +206,7 @@ def test_nominal_bytes_per_method():
       "threshold": 100 * (4 + 2) + 4,
       "dgc": dgc_mod.capacity(n, 0.001) * 6 + 4,  # after the default warm-up (its stages: step=)
       "adaq": 8 + 256,  # two means + 2 bits per entry, the leaf padded to 1024 entries (rows of 128)
-      "signum": 128,  # 1 bit per entry, the leaf padded to 1024 entries (rows of 128)
+      "signum": 128 + 4,  # 1 bit per entry (the leaf padded to 1024 entries), the non-finite flag
       "onebit": 8 + 128,  # the 1000 entries padded to 1024 (segments of 128-entry rows)
   }
   for name, nbytes in want.items():

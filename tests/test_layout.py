@@ -163,3 +163,20 @@ def test_segment_sum_max_equals_the_separate_reductions(sizes):
   want_sum = [np.sum(np.asarray(x, np.float64)[o:o + n] ** 2) for o, n in zip(offsets, sizes)]
   np.testing.assert_allclose(np.asarray(total), want_sum, rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(top), np.asarray(segs.max(-x)))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_segment_max_abs_keeps_a_nan_among_equal_values(bad):
+  """Segments.max_abs is max |x| per segment, NaN/Inf where the segment holds one (XLA:CPU's float max
+  once lost a NaN among 4096 equal values)."""
+  from jaxcomp.layout import Segments
+
+  sizes = (4096, 300, 128)
+  segs = Segments((0, 4096, 4096 + 384), sizes, tuple((n,) for n in sizes), 128)
+  x = np.zeros(segs.length, np.float32)
+  x[:4096] = -2.0
+  x[4096:4396] = np.linspace(-3, 1, 300)
+  x[4480:4608] = 0.5
+  x[1234] = bad
+  got = np.asarray(jax.jit(segs.max_abs)(jnp.asarray(x)))
+  np.testing.assert_array_equal(got, [abs(bad), 3.0, 0.5])

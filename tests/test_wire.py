@@ -55,6 +55,22 @@ def test_pack_signs_round_trip(n, seed):
   np.testing.assert_array_equal(np.asarray(packing.unpack_signs(words, n)), np.where(x >= 0, 1.0, -1.0))
 
 
+@given(bits=st.sampled_from([1, 2, 4, 8]), n=st.sampled_from(SIZES), bad=st.sampled_from([None, "nan", "inf",
+                                                                                         "-inf"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_pack_checked_packs_as_pack_and_flags_any_nonfinite_entry(bits, n, bad, seed):
+  """The flag of pack_checked is NaN exactly when x holds a NaN/Inf, also among equal values."""
+  rng = np.random.default_rng(seed)
+  fields = rng.integers(0, 2**bits, size=n, dtype=np.uint8)
+  x = np.ones(n, np.float32)
+  if bad is not None:
+    x[rng.integers(n)] = float(bad)
+  flag, words = jax.jit(packing.pack_checked, static_argnums=1)(fields, bits, x)
+  np.testing.assert_array_equal(np.asarray(words), np.asarray(packing.pack(fields, bits)))
+  assert flag.dtype == jnp.float32 and flag.shape == ()
+  assert (float(flag) == 0.0) if bad is None else np.isnan(float(flag))
+
+
 def test_pack_layout_is_lsb_first():
   np.testing.assert_array_equal(np.asarray(packing.pack(np.array([1, 0, 0, 0, 0, 0, 0, 1]), 1)), [0x81])
   np.testing.assert_array_equal(np.asarray(packing.pack(np.array([3, 0, 1, 2]), 2)), [0b10010011])
@@ -116,7 +132,8 @@ def test_dense_and_half_precision_bytes():
 
 
 def test_signsgd_sends_one_bit_per_value():
-  assert _nominal(jaxcomp.signsgd) == LEAF // 8
+  # + the bucket's non-finite flag, a float32 in the payload (no all-reduce of its own)
+  assert _nominal(jaxcomp.signsgd) == LEAF // 8 + 4
 
 
 def test_topk_bytes_at_one_percent():

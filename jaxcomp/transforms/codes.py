@@ -138,6 +138,7 @@ class SketchCodec(Codec):
   buckets: int
   sample_size: int
   block = 128
+  carries_nonfinite = True  # a NaN/Inf entry's own bin sum, so its decoded mean, is non-finite
 
   def num_buckets(self, segs: Segments) -> np.ndarray:
     """q of each segment (int64 (S,))."""

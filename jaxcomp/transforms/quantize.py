@@ -43,6 +43,7 @@ class QSGDCodec(Codec):
 
   levels: int
   block = 128
+  carries_nonfinite = True  # a NaN/Inf makes its segment's norm, and so every decoded entry, non-finite
 
   def encode(self, x, key, segs):
     s = self.levels
@@ -114,13 +115,14 @@ class TernGradCodec(Codec):
 
   clip_sigma: float | None
   block = 128
+  carries_nonfinite = True  # NaN/Inf: its segment's scale (a sum of squares, a NaN-keeping max) is too
 
   def clip(self, x: jax.Array, segs: Segments):
     """``(x, scale)``: each segment of x clipped to +-clip_sigma * sigma (sigma: the segment's root mean
     square) and its largest clipped magnitude, from one pass over the bucket (``max |clip(x)| =
     min(max |x|, bound)``)."""
     if self.clip_sigma is None:
-      return x, segs.max(jnp.abs(x))
+      return x, segs.max_abs(x)
     squares, top = segs.sum_max(jnp.square(x), jnp.abs(x))
     bound = self.clip_sigma * jnp.sqrt(squares / jnp.asarray(segs.sizes, jnp.float32))
     spread = segs.spread(bound)
@@ -201,6 +203,7 @@ class NaturalCodec(Codec):
 
   bits: int
   block = 128
+  carries_nonfinite = True  # NaN/Inf: exponent 255, an integer max, top = 255: the entry decodes to +-Inf
 
   @property
   def levels(self) -> int:
@@ -341,9 +344,10 @@ class U8bitCodec(Codec):
   """Payload: the float32 max |x| of each segment and one byte per entry: sign bit + 7-bit table index."""
 
   block = 128
+  carries_nonfinite = True  # a NaN/Inf makes its segment's scale (a NaN-keeping max) non-finite
 
   def encode(self, x, key, segs):
-    scale = segs.max(jnp.abs(x))
+    scale = segs.max_abs(x)
     r = jnp.abs(x) / segs.spread(jnp.where(scale > 0, scale, 1.0))
     # searchsorted(_BOUNDS, r, side="left") from the float bits of r: the top 5 mantissa
     # bits and the exponent pick a cell of :data:`_CELLS`, which holds at most one bound,

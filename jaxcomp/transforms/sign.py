@@ -50,29 +50,35 @@ class SignCodec(Codec):
 
   ``scaled``: one float32 per segment too, ``mean|x|``; the local decode is
   ``mean|x| * sign(x)`` and the vote is scaled by the workers' mean of it.
+  Unscaled: one float32 flag per bucket instead, 0.0 or NaN when ``x`` holds
+  a NaN/Inf (:func:`jaxcomp.collectives.packing.pack_checked`), added to the decode.
   ``ties``: see :func:`majority_vote`.
   """
 
   scaled: bool = False
   ties: str = "zero"
+  carries_nonfinite = True  # the scale is a sum of |x|; unscaled, the flag
 
   @property
   def block(self) -> int:
     return 128 if self.scaled else 1
 
   def encode(self, x, key, segs):
-    words = packing.pack_signs(x)
-    return (mean_abs(x, segs), words) if self.scaled else words
+    if not self.scaled:
+      return packing.pack_checked(x >= 0, 1, x)
+    return mean_abs(x, segs), packing.pack_signs(x)
 
   def decode(self, payload, key, segs):
     if not self.scaled:
-      return packing.unpack_signs(payload, segs.length)
+      flag, words = payload
+      return packing.unpack_signs(words, segs.length) + flag
     scale, words = payload
     return segs.spread(scale) * packing.unpack_signs(words, segs.length)
 
   def aggregate(self, gathered, key, segs, num):
     if not self.scaled:
-      return majority_vote(gathered, segs.length, self.ties)
+      flags, words = gathered
+      return majority_vote(words, segs.length, self.ties) + jnp.sum(flags)
     scales, words = gathered
     return majority_vote(words, segs.length, self.ties) * segs.spread(jnp.mean(scales, axis=0))
 
@@ -96,7 +102,7 @@ class VoteCodec(Codec):
     return 128 if self.scaled else 1
 
   def encode(self, x, key, segs):
-    scale = segs.max(jnp.abs(x)) if self.scaled else None
+    scale = segs.max_abs(x) if self.scaled else None
     unit = x / segs.spread(jnp.where(scale > 0, scale, 1.0)) if self.scaled else x
     fields = (jnp.clip(jnp.round(unit), -1, 1) + 1).astype(jnp.uint8)
     words = packing.pack(fields, 2)
@@ -118,7 +124,9 @@ def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int 
   possible with an even number of workers; ``ties="positive"`` gives +1
   there, as GRACE does). The learning rate of the next transform sets the
   step size. Without error feedback signSGD is biased and may stall (GRACE
-  saw it diverge).
+  saw it diverge). Besides the bits each worker sends one float32 per bucket,
+  NaN if its gradient held a NaN/Inf (then the output is NaN on every worker);
+  it is computed in the packing's own pass.
 
   With ``error_feedback=True`` the signs are scaled so that the residual stays
   in gradient units: each worker also sends one float32 per leaf, the scale
@@ -143,8 +151,8 @@ def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int 
     >>> import jaxcomp
     >>> params = {"w": jnp.zeros((256, 64))}
     >>> tx = jaxcomp.signsgd()  # axis_name=None: one worker, a local round trip
-    >>> jaxcomp.wire_bytes(tx, params)  # one bit per entry
-    2048
+    >>> jaxcomp.wire_bytes(tx, params)  # one bit per entry, 4 bytes of non-finite flag
+    2052
     >>> grads = {"w": jnp.full((256, 64), -0.5)}
     >>> updates, state = jax.jit(tx.update)(grads, tx.init(params))
     >>> print(updates["w"][0, :3])  # the sign of each entry
@@ -169,6 +177,7 @@ class ScaledSignCodec(Codec):
   """Packed signs plus one float32 scale, mean(|x|), per segment."""
 
   block = 128
+  carries_nonfinite = True  # a NaN/Inf makes its segment's scale, and so its decode, non-finite
 
   def encode(self, x, key, segs):
     return mean_abs(x, segs), packing.pack_signs(x)
@@ -235,7 +244,8 @@ def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, tie
   ``sign(sum of the workers' +-1)``, in {-1, 0, +1} (0 on a tie;
   ``ties="positive"`` gives +1 there, as GRACE does). There is no error
   feedback; the learning rate of the next transform sets the step size (use
-  it without momentum).
+  it without momentum). As signSGD's, the payload holds one float32 per
+  bucket that makes the output NaN when a worker's momentum is not finite.
 
   Args:
     momentum: beta in [0, 1) (Signum and GRACE: 0.9); 0 is signSGD.
