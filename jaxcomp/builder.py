@@ -60,14 +60,16 @@ def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_byte
     identical on every worker.
 
   Non-finite steps: if any worker's compensated gradient holds a NaN or Inf,
-  every entry of the output is NaN on every worker (so ``apply_if_finite``
+  the output is non-finite on every worker alike (so ``apply_if_finite``
   skips it on all replicas), the residual keeps every finite value and the
-  exchanges' state is left as it was. Exchanges that do not carry NaN/Inf
-  into the mean themselves (``carries_nonfinite``) cost one float32
-  all-reduce per step for it, counted by :func:`jaxcomp.wire_bytes`, and a
-  check over the buckets. Stateless methods whose exchanges carry it return
-  exactly their mean, non-finite where the payload put it (a leaf's NaN
-  norm, a NaN flag), identical on every worker.
+  exchanges' state is left as it was. Methods with state, and methods whose
+  exchanges do not carry NaN/Inf into the mean themselves
+  (``carries_nonfinite``), make every entry of the output NaN; the latter
+  cost one float32 all-reduce per step for it, counted by
+  :func:`jaxcomp.wire_bytes`, and a check over the buckets. Stateless
+  methods whose exchanges carry it return exactly their mean, non-finite
+  where the payload put it (a leaf's NaN norm, a bucket's NaN flag, one
+  +-Inf entry for natural compression).
   """
   settings = checks.settings(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name,
                              transport)

@@ -422,6 +422,22 @@ def test_a_nan_among_equal_values_flags_the_step(name, bad, kw):
   assert not np.isfinite(np.asarray(out["w"])[0]).all()
 
 
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+def test_sketchml_keeps_a_nonfinite_entry_in_its_own_leaf(bad):
+  """Regression: with fewer bins than the split table's width (10 of 16, a 5-entry leaf), an entry
+  of +Inf counted the table's unused columns and landed past its leaf's bins: lost in the last
+  leaf, in another leaf's bin otherwise."""
+  tx = jaxcomp.sketchml(buckets=10, min_size=1, axis_name=AXIS)
+  params = {"a": jnp.zeros((3000,)), "b": jnp.zeros((5,)), "c": jnp.zeros((130,))}
+  assert [b.leaves for b in tx.method.buckets(params)] == [(2, 1, 0)]  # one bucket, "c" first
+  for name in params:
+    grads = {k: jnp.full((N,) + p.shape, 1e-6) for k, p in params.items()}
+    grads[name] = grads[name].at[5, 3].set(bad)
+    out, _ = run_pmap(tx, grads, init_stacked(tx, params))
+    for k, v in out.items():
+      assert np.isfinite(np.asarray(v)).all() == (k != name), (name, k)
+
+
 def test_empty_and_scalar_leaves():
   tx = jaxcomp.topk(ratio=0.5)
   g = {"empty": jnp.zeros((0, 3)), "s": jnp.asarray(2.0), "w": jnp.arange(4.0)}

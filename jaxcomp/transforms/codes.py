@@ -138,7 +138,7 @@ class SketchCodec(Codec):
   buckets: int
   sample_size: int
   block = 128
-  carries_nonfinite = True  # a NaN/Inf entry's own bin sum, so its decoded mean, is non-finite
+  carries_nonfinite = True  # a NaN/Inf entry's own bin sum (a bin of its segment), so its mean, is too
 
   def num_buckets(self, segs: Segments) -> np.ndarray:
     """q of each segment (int64 (S,))."""
@@ -149,7 +149,7 @@ class SketchCodec(Codec):
     return 1 << int(np.max(self.num_buckets(segs)) - 1).bit_length()
 
   def edges(self, x: jax.Array, key: jax.Array, segs: Segments) -> jax.Array:
-    """``(S, P)``: row ``s`` holds the q - 1 interior split points of segment ``s``, then +inf.
+    """``(S, P)``: row ``s`` holds the q - 1 interior split points of segment ``s``, then NaN.
 
     The split points are the order statistics ``j * m // q`` of the sorted
     sample of ``m = min(n, sample_size)`` entries; one batched sort of all
@@ -165,7 +165,9 @@ class SketchCodec(Codec):
     inside = j < q[:, None]
     rank = np.where(inside, (j * m[:, None]) // q[:, None], 0)
     split = jnp.take_along_axis(ordered, jnp.asarray(rank, jnp.int32), axis=1)
-    return jnp.where(jnp.asarray(inside), split, jnp.inf)
+    # Unused columns hold NaN, which no entry is >= (a +inf there would count for an entry of +Inf
+    # and send it past its segment's bins, lost or into another leaf's).
+    return jnp.where(jnp.asarray(inside), split, jnp.nan)
 
   def _first(self, segs: Segments) -> np.ndarray:
     """Index of each segment's first mean in the payload (int64 (S,))."""

@@ -125,8 +125,8 @@ def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int 
   there, as GRACE does). The learning rate of the next transform sets the
   step size. Without error feedback signSGD is biased and may stall (GRACE
   saw it diverge). Besides the bits each worker sends one float32 per bucket,
-  NaN if its gradient held a NaN/Inf (then the output is NaN on every worker);
-  it is computed in the packing's own pass.
+  NaN if its gradient held a NaN/Inf there (then that bucket's output is NaN
+  on every worker); it is computed in the packing's own pass.
 
   With ``error_feedback=True`` the signs are scaled so that the residual stays
   in gradient units: each worker also sends one float32 per leaf, the scale
@@ -245,7 +245,8 @@ def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, tie
   ``ties="positive"`` gives +1 there, as GRACE does). There is no error
   feedback; the learning rate of the next transform sets the step size (use
   it without momentum). As signSGD's, the payload holds one float32 per
-  bucket that makes the output NaN when a worker's momentum is not finite.
+  bucket that makes the bucket's output NaN when a worker's momentum is not
+  finite there (the step's check then makes all of it NaN).
 
   Args:
     momentum: beta in [0, 1) (Signum and GRACE: 0.9); 0 is signSGD.
