@@ -191,21 +191,20 @@ class Codec(abc.ABC):
   def decode(self, payload: Any, key: jax.Array, segs: layout.Segments) -> jax.Array:
     """``x_hat`` (float32, ``segs.length``) from a payload."""
 
-  def aggregate(self, gathered: Any, key: jax.Array, segs: layout.Segments, num: int) -> jax.Array:
-    """Mean over the leading (worker) axis of ``gathered`` payloads.
+  def aggregate(self, gathered: packing.Gathered, key: jax.Array, segs: layout.Segments,
+                num: int) -> jax.Array:
+    """Mean over the workers of the ``gathered`` payloads (:class:`~jaxcomp.collectives.packing.Gathered`).
 
     Decoded and accumulated one worker at a time, in worker order (the same
-    float result on every worker): no ``N x n`` array of decoded payloads.
+    float result on every worker): no ``N x n`` array of decoded payloads,
+    and each worker's fields read from the gathered bytes inside the loop.
     """
-    workers = jax.tree.leaves(gathered)[0].shape[0]
-
     def decoded(w):
-      payload = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, w, keepdims=False), gathered)
-      return self.decode(payload, key, segs).astype(jnp.float32)
+      return self.decode(gathered.payload(w), key, segs).astype(jnp.float32)
 
     # Starting from worker 0's decode keeps the carry's type (shard_map's
     # varying-ness included) that of the body's.
-    total = lax.fori_loop(1, workers, lambda w, acc: acc + decoded(w), decoded(0))
+    total = lax.fori_loop(1, gathered.workers, lambda w, acc: acc + decoded(w), decoded(0))
     return total / num
 
 
@@ -375,7 +374,7 @@ class CodecExchange(Exchange):
     local = codec.decode(payload, enc_key, segs)
     if ctx.axis.name is None:
       return local, local, extra
-    gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    gathered = packing.Gathered(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
     return codec.aggregate(gathered, dec_key, segs, ctx.axis.size), local, extra
 
   def bucket_wire_bytes(self, segs, workers=None):

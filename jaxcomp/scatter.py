@@ -124,9 +124,9 @@ class ScatterExchange(Exchange):
     # phase 1: N chunk payloads, chunk j to worker j; worker me averages its chunk
     payload = _batched(lambda r, k: codec.encode(r, k, cs), codec, rows, keys)
     local = _batched(lambda p, k: codec.decode(p, k, cs), codec, payload, keys).reshape(-1)[:length]
-    like = jax.tree.map(lambda a: a[0], payload)
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), payload)
     buffers = _batched(packing.to_bytes, codec, payload)
-    received = packing.from_bytes(ops.alltoall(buffers, ctx.axis), like)
+    received = packing.Gathered(ops.alltoall(buffers, ctx.axis), like)
     dec_key = jax.random.fold_in(key1, me)  # the encode key of chunk me where keys are shared
     mean = codec.aggregate(received, dec_key, cs, n)
     # phase 2: the owner's mean chunk, compressed again with its residual, to everyone

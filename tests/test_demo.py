@@ -20,6 +20,7 @@ from harness import (
 )
 
 import jaxcomp
+from jaxcomp.collectives import packing
 from jaxcomp.layout import Segments
 from jaxcomp.optimizers.demo import DCTTopKCodec, dct_matrix, demo
 
@@ -87,7 +88,7 @@ def test_codec_matches_numpy_and_aggregate_is_the_mean():
   def run(xs):
     payloads = jax.vmap(lambda x: codec.encode(x, None, segs))(xs)
     decoded = jax.vmap(lambda p: codec.decode(p, None, segs))(payloads)
-    return payloads, decoded, codec.aggregate(payloads, None, segs, 3)
+    return payloads, decoded, codec.aggregate(packing.Gathered.of(payloads), None, segs, 3)
 
   (values, idx), decoded, mean = run(xs)
   assert values.shape == idx.shape == (3, 6, TOPK) and idx.dtype == np.uint8

@@ -168,13 +168,12 @@ class DCTTopKCodec(Codec):
     One scatter-add per worker into a ``(T, chunk**2)`` accumulator, in a
     fixed order, so the float result is the same on every worker.
     """
-    values, idx = gathered
-    zeros = ops.like_vma(jnp.zeros((self._tiles(segs), self.block), jnp.float32), values)
+    zeros = ops.like_vma(jnp.zeros((self._tiles(segs), self.block), jnp.float32), gathered.buffers)
 
     def body(w, acc):
-      return self._scatter(acc, (values[w], idx[w]), add=True)
+      return self._scatter(acc, gathered.payload(w), add=True)
 
-    total = lax.fori_loop(0, values.shape[0], body, zeros)
+    total = lax.fori_loop(0, gathered.workers, body, zeros)
     return self.inverse(total / num)
 
 

@@ -154,8 +154,8 @@ class DGCExchange(Exchange):
     local = sparse_decode(*payload, n)
     if ctx.axis.name is None:
       return local, local, extra
-    gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
-    return sparse_mean(*gathered, n, ctx.axis.size), local, extra
+    gathered = packing.Gathered(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    return sparse_mean(gathered, n, ctx.axis.size), local, extra
 
   def bucket_wire_bytes(self, segs, workers=None):
     return sparse_bytes(segs.length, int(self.caps(segs).sum()))
@@ -178,7 +178,7 @@ class DGCCodec(Codec):
     return sparse_decode(*payload, segs.length)
 
   def aggregate(self, gathered, key, segs, num):
-    return sparse_mean(*gathered, segs.length, num)
+    return sparse_mean(gathered, segs.length, num)
 
 
 def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: float = 0.9,

@@ -223,8 +223,8 @@ class ChunkedLowBitTopKCodec(Codec):
     return jnp.zeros((segs.length,), jnp.float32).at[pos].set(vals, mode="drop", unique_indices=True)
 
   def aggregate(self, gathered, key, segs, num):
-    pos, vals = jax.vmap(lambda p: self._dense(p, segs.length))(gathered)
-    return scatter_mean(vals, pos, segs.length, num)
+    return scatter_mean(lambda w: self._dense(gathered.payload(w), segs.length)[::-1], gathered.workers,
+                        segs.length, num)
 
 
 def chunked_topk(density: float = 0.02, bits: int = 2, chunk: int = 4096, decay: float = 0.95,

@@ -114,9 +114,12 @@ class RedSyncExchange(Exchange):
     local = self.decode(payload, segs)
     if ctx.axis.name is None:
       return local, local, thresholds
-    gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
-    values, idx = jax.vmap(lambda p: self.values(p, segs))(gathered)
-    return scatter_mean(values, idx, segs.length, ctx.axis.size), local, thresholds
+    gathered = packing.Gathered(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    return self.mean(gathered, segs, ctx.axis.size), local, thresholds
+
+  def mean(self, gathered: packing.Gathered, segs: Segments, num: int) -> jax.Array:
+    """The mean of the gathered payloads, each decoded where the loop over workers reads it."""
+    return scatter_mean(lambda w: self.values(gathered.payload(w), segs), gathered.workers, segs.length, num)
 
   def bucket_wire_bytes(self, segs, workers=None):
     cap = int(self.caps(segs).sum())
@@ -207,5 +210,4 @@ class RedSyncCodec(Codec):
     return self.exchange.decode(payload, segs)
 
   def aggregate(self, gathered, key, segs, num):
-    values, idx = jax.vmap(lambda p: self.exchange.values(p, segs))(gathered)
-    return scatter_mean(values, idx, segs.length, num)
+    return self.exchange.mean(gathered, segs, num)

@@ -276,13 +276,17 @@ class SBCExchange(Exchange):
     flagged = jnp.where(jnp.all(finite), value, jnp.nan).astype(jnp.float32)
     return (flagged, nbits.astype(self._nbits_dtype(segs)), stream), local
 
-  def _mean(self, gathered, segs, num: int):
+  def _mean(self, gathered: packing.Gathered, segs, num: int):
     kk, b, _ = self.sizes(segs)
     n, total = segs.length, int(kk.sum())
-    values, nbits, stream = gathered
-    pos, _ = jax.vmap(lambda w, m: golomb.decode_positions(w, m, b, total, n))(stream, nbits)
-    vals = jnp.take_along_axis(values, compaction.segment_of(pos, segs), axis=1)
-    mean = scatter_mean(vals, pos, n, num)
+
+    def sparse(w):
+      value, nbits, stream = gathered.payload(w)
+      pos, _ = golomb.decode_positions(stream, nbits, b, total, n)
+      return value[compaction.segment_of(pos, segs)], pos
+
+    mean = scatter_mean(sparse, gathered.workers, n, num)
+    values = gathered.payloads()[0]  # one float32 per segment and worker
     return jnp.where(jnp.all(jnp.isfinite(values)), mean, jnp.nan)
 
   def _exchange_sent(self, a, segs, ctx: Ctx):
@@ -290,7 +294,7 @@ class SBCExchange(Exchange):
     payload, local = self._encode(a, segs)
     if ctx.axis.name is None:
       return jnp.where(jnp.all(jnp.isfinite(payload[0])), local, jnp.nan), local
-    gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    gathered = packing.Gathered(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
     return self._mean(gathered, segs, ctx.axis.size), local
 
   def _sync(self, x, segs, state: SBCState, ctx: Ctx, params, anchor):

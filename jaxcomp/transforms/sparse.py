@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,17 +46,21 @@ POSITIONS = ("chunk16", "global")
 VALUE_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def scatter_mean(values: jax.Array, indices: jax.Array, n: int, num: int) -> jax.Array:
-  """Mean over the worker axis of sparse payloads, accumulated into one dense vector.
+def scatter_mean(sparse: Callable[[jax.Array], tuple], workers: int, n: int, num: int) -> jax.Array:
+  """Mean over ``workers`` sparse payloads, accumulated into one dense vector.
 
-  ``values`` and ``indices`` are ``(N, k)``; indices ``>= n`` are dropped. One
-  scatter-add per worker in a fixed order: no ``N x n`` array, and the same
-  float result on every worker.
+  ``sparse(w)`` gives worker ``w``'s ``(values, indices)``, ``(k,)`` each
+  (indices ``>= n`` are dropped), read inside the loop (from
+  :meth:`Gathered.payload <jaxcomp.collectives.packing.Gathered.payload>`:
+  no ``(N, k)`` decoded arrays). One scatter-add per worker in a fixed
+  order: no ``N x n`` array, and the same float result on every worker.
   """
   def body(w, acc):
-    return acc.at[indices[w].astype(jnp.int32)].add(values[w].astype(jnp.float32), mode="drop")
+    values, indices = sparse(w)
+    return acc.at[indices.astype(jnp.int32)].add(values.astype(jnp.float32), mode="drop")
 
-  return lax.fori_loop(0, values.shape[0], body, ops.like_vma(jnp.zeros((n,), jnp.float32), values)) / num
+  zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), sparse(0)[0])
+  return lax.fori_loop(0, workers, body, zeros) / num
 
 
 # ----------------------------------------------------------------------------
@@ -143,8 +148,12 @@ class TopKCodec(Codec):
 
   def aggregate(self, gathered, key, segs, num):
     n = segs.length
-    pos = jax.vmap(lambda p: self._positions(p, n))(gathered)
-    return scatter_mean(gathered[0], pos, n, num)
+
+    def sparse(w):
+      payload = gathered.payload(w)
+      return payload[0], self._positions(payload, n)
+
+    return scatter_mean(sparse, gathered.workers, n, num)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +192,12 @@ class ChunkedTopKCodec(Codec):
 
   def aggregate(self, gathered, key, segs, num):
     n = segs.length
-    vals, off = gathered
-    return scatter_mean(vals, jax.vmap(lambda o: self._positions(o, n))(off), n, num)
+
+    def sparse(w):
+      vals, off = gathered.payload(w)
+      return vals, self._positions(off, n)
+
+    return scatter_mean(sparse, gathered.workers, n, num)
 
 
 def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,

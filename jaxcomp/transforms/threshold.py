@@ -96,9 +96,14 @@ def sparse_decode(values: jax.Array, idx: jax.Array, count: jax.Array, n: int) -
   return jnp.zeros((n,), jnp.float32).at[valid_indices(idx, count, n)].set(values, mode="drop")
 
 
-def sparse_mean(values, idx, count, n: int, num: int) -> jax.Array:
-  """Mean of ``(N, capacity)`` gathered sparse payloads, scatter-added into one vector."""
-  return scatter_mean(values, valid_indices(idx, count, n), n, num)
+def sparse_mean(gathered: packing.Gathered, n: int, num: int, sparse=lambda p: p) -> jax.Array:
+  """Mean of gathered fixed-capacity sparse payloads (``sparse(payload)`` gives
+  ``(values, idx, count)``), scatter-added into one vector one worker at a time."""
+  def values_indices(w):
+    values, idx, count = sparse(gathered.payload(w))
+    return values, valid_indices(idx, count, n)
+
+  return scatter_mean(values_indices, gathered.workers, n, num)
 
 
 def sparse_bytes(n: int, capacity: int) -> int:
@@ -233,14 +238,13 @@ def refine_threshold(a: jax.Array, thr: jax.Array, k, low: float, high: float, u
   return refine_thresholds(a, jnp.reshape(thr, (1,)), k, segs, low, high, up, down, iterations)[0]
 
 
-def loop_mean(decode, gathered, n: int, num: int) -> jax.Array:
-  """Mean of the decoded ``(N, ...)`` gathered payloads, one decode at a time."""
+def loop_mean(decode, gathered: packing.Gathered, n: int, num: int) -> jax.Array:
+  """Mean of the decoded gathered payloads, one decode at a time."""
   def body(w, acc):
-    return acc + decode(jax.tree.map(lambda a: a[w], gathered))
+    return acc + decode(gathered.payload(w))
 
-  workers = jax.tree.leaves(gathered)[0].shape[0]
-  zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), jax.tree.leaves(gathered)[0])
-  return lax.fori_loop(0, workers, body, zeros) / num
+  zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), gathered.buffers)
+  return lax.fori_loop(0, gathered.workers, body, zeros) / num
 
 
 # ----------------------------------------------------------------------------
@@ -297,7 +301,7 @@ class ThresholdCodec(Codec):
     return sparse_decode(*payload, segs.length)
 
   def aggregate(self, gathered, key, segs, num):
-    return sparse_mean(*gathered, segs.length, num)
+    return sparse_mean(gathered, segs.length, num)
 
 
 def threshold(v: float | None = None, capacity: float = 0.1, axis_name: AxisName = None,
@@ -478,7 +482,7 @@ class AdaQCodec(Codec):
   def aggregate(self, gathered, key, segs, num):
     if self.uses_map(segs):
       return loop_mean(lambda p: self.decode(p, key, segs), gathered, segs.length, num)
-    return sparse_mean(*jax.vmap(lambda p: self._sparse(p, segs))(gathered), segs.length, num)
+    return sparse_mean(gathered, segs.length, num, lambda p: self._sparse(p, segs))
 
 
 def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0.01,
