@@ -35,7 +35,13 @@ from hypothesis.extra import numpy as hnp
 import jaxcomp
 from jaxcomp.collectives import packing
 from jaxcomp.layout import Segments, padded
-from jaxcomp.transforms.codes import InceptionnCodec, SketchCodec, lsb_exponent, sample_positions
+from jaxcomp.transforms.codes import (
+  InceptionnCodec,
+  SketchCodec,
+  lsb_exponent,
+  sample_positions,
+  width_prefix,
+)
 from jaxcomp.transforms.quantize import NaturalCodec, QSGDCodec, TernGradCodec, U8bitCodec, dettmers_table
 from jaxcomp.transforms.sign import OneBitCodec, ScaledSignCodec, SignCodec
 
@@ -541,6 +547,15 @@ def _check_inceptionn(x, error_bound, capacity, key=KEY):
   np.testing.assert_array_equal(stream, ref_stream)
   np.testing.assert_array_equal(dec, ref_dec)
   return tags, dec
+
+
+@pytest.mark.parametrize("n,seed", [(16, 0), (128, 1), (16 * 700, 2)])
+def test_inceptionn_width_prefix_is_the_cumsum_of_the_widths(n, seed):
+  """The stream positions from population counts of the packed tags equal a cumsum of 0/1/2/4 bytes."""
+  tags = np.random.default_rng(seed).integers(0, 4, n).astype(np.uint8)
+  tags[: n // 4] = 3  # a run of raw floats: sums past one word's 64
+  got = np.asarray(jax.jit(width_prefix)(packing.pack(jnp.asarray(tags), 2)))
+  np.testing.assert_array_equal(got, np.cumsum(np.array([0, 1, 2, 4])[tags]))
 
 
 def test_inceptionn_matches_numpy_with_overflow():

@@ -280,9 +280,6 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = 
 # ----------------------------------------------------------------------------
 # INCEPTIONN
 
-_WIDTHS = (0, 1, 2, 4)  # bytes in the stream for tags 0, 1, 2, 3
-
-
 def _spread(segs: Segments, *values: jax.Array):
   """:meth:`Segments.spread` of several (S,) vectors of one dtype with one gather."""
   if segs.count == 1:
@@ -290,6 +287,32 @@ def _spread(segs: Segments, *values: jax.Array):
   rows = jnp.stack(values, axis=1)[jnp.asarray(segs.row_segment)]
   shape = (rows.shape[0], segs.block)
   return tuple(jnp.broadcast_to(rows[:, j, None], shape).reshape(-1) for j in range(len(values)))
+
+
+def _tag_widths(words: jax.Array) -> jax.Array:
+  """Total stream bytes of the 16 tags packed in each uint32 (2 bits each; tags 0-3 take 0, 1, 2, 4)."""
+  low = words & jnp.uint32(0x55555555)
+  high = (words >> 1) & jnp.uint32(0x55555555)
+  count = lambda v: lax.population_count(v).astype(jnp.int32)
+  return count(low) + 2 * count(high) + count(low & high)  # tag + (1 if tag is 3)
+
+
+def width_prefix(tag_words: jax.Array) -> jax.Array:
+  """Inclusive prefix sums of the entries' stream widths (int32 (n,)), from their packed 2-bit tags.
+
+  ``tag_words`` is ``packing.pack(tag, 2)`` of ``n`` tags, ``n`` a multiple
+  of 16. Each 4 bytes hold 16 tags (one uint32, tag i at bits 2i): a
+  prefix sum over their totals (``n / 16`` entries), plus each entry's sum
+  over the tags of its word up to itself, by population counts of the word
+  masked to those tags. No ``n``-sized prefix sum: on XLA:CPU 2.6 ms
+  against 17.5 ms for :func:`compaction.prefix_sum` of the widths
+  (ResNet-50's largest bucket, 6.5M entries).
+  """
+  words = lax.bitcast_convert_type(tag_words.reshape(-1, 4), jnp.uint32)
+  totals = _tag_widths(words)
+  before = compaction.prefix_sum(totals) - totals
+  upto = jnp.uint32(0xFFFFFFFF) >> (30 - 2 * jnp.arange(16, dtype=jnp.uint32))  # tags 0..i of a word
+  return (before[:, None] + _tag_widths(words[:, None] & upto[None, :])).reshape(-1)
 
 
 def lsb_exponent(error_bound: float) -> int:
@@ -359,14 +382,15 @@ class InceptionnCodec(Codec):
     """The entry of each segment that goes first in its stream (int32 (S,))."""
     return rng.below(key, np.asarray(segs.sizes, np.uint32), (segs.count,))
 
-  def _ends(self, width: jax.Array, key: jax.Array, segs: Segments):
+  def _ends(self, tag_words: jax.Array, key: jax.Array, segs: Segments):
     """Where each entry's bytes end in the bucket's streams, and where its segment's stream ends.
 
     Within a segment the entries go in rotated order (from its shift to its
     end, then its start): the end is the inclusive prefix sum of the widths in
-    that order, plus where the segment's stream starts.
+    that order, plus where the segment's stream starts. ``tag_words``: the
+    entries' packed tags.
     """
-    cum = compaction.prefix_sum(width)
+    cum = width_prefix(tag_words)
     # Each segment's total and what the segments before it hold, from the
     # bucket-wide prefix sum (padding entries have width 0).
     ends = np.asarray(segs.offsets, np.int64) + np.asarray(segs.padded_sizes, np.int64)
@@ -393,8 +417,8 @@ class InceptionnCodec(Codec):
     qi = jnp.where(tag < 3, q, 0.0).astype(jnp.uint32)
     word = jnp.where(tag == 1, (sign << 7) | qi,
                      jnp.where(tag == 2, (sign << 15) | qi, jnp.where(tag == 3, b, 0)))
-    width = jnp.asarray(_WIDTHS, jnp.int32)[tag]
-    end, last = self._ends(width, key, segs)
+    width = jnp.where(tag == 3, 4, tag)
+    end, last = self._ends(packing.pack(tag, 2), key, segs)
     fits = end <= last  # a prefix of each segment in rotated order
     tag = jnp.where(fits, tag, 0)
     width = jnp.where(fits, width, 0)
@@ -415,8 +439,8 @@ class InceptionnCodec(Codec):
   def decode(self, payload, key, segs):
     tag_words, stream = payload
     tag = packing.unpack(tag_words, 2, segs.length).astype(jnp.int32)
-    width = jnp.asarray(_WIDTHS, jnp.int32)[tag]
-    start = self._ends(width, key, segs)[0] - width
+    width = jnp.where(tag == 3, 4, tag)
+    start = self._ends(tag_words, key, segs)[0] - width
     word = jnp.zeros((segs.length,), jnp.uint32)
     for j in range(4):
       byte = jnp.take(stream, start + j, mode="clip").astype(jnp.uint32)
