@@ -117,17 +117,21 @@ def to_bytes(payload) -> jnp.ndarray:
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def from_bytes(buffers: jnp.ndarray, like):
+def from_bytes(buffers: jnp.ndarray, like, row=None):
   """Inverse of :func:`to_bytes` over a leading axis: ``(N, bytes)`` -> the payload
-  with leaves ``(N, ...)``.
+  with leaves ``(N, ...)``; with ``row`` (may be traced), that row's payload alone,
+  each field one dynamic slice of ``buffers``.
   """
   leaves, treedef = jax.tree.flatten(like)
   out, at = [], 0
-  lead = buffers.shape[:-1]
+  lead = buffers.shape[:-1] if row is None else ()
   for a in leaves:
     count = math.prod(a.shape)
     size = count * a.dtype.itemsize
-    chunk = buffers[..., at:at + size]
+    if row is None:
+      chunk = buffers[..., at:at + size]
+    else:
+      chunk = lax.dynamic_slice(buffers, (row, at), (1, size)).reshape(size)
     at += size
     if a.dtype.itemsize > 1:
       chunk = lax.bitcast_convert_type(chunk.reshape(lead + (count, a.dtype.itemsize)), a.dtype)
@@ -166,7 +170,7 @@ class Gathered:
 
   def payload(self, w) -> Any:
     """Worker ``w``'s payload (``w`` may be traced)."""
-    return from_bytes(lax.dynamic_index_in_dim(self.buffers, w, keepdims=False), self.like)
+    return from_bytes(self.buffers, self.like, w)
 
   def payloads(self) -> Any:
     """Every worker's payload, leaves ``(N, ...)``."""
