@@ -308,6 +308,9 @@ def width_prefix(tag_words: jax.Array) -> jax.Array:
   against 17.5 ms for :func:`compaction.prefix_sum` of the widths
   (ResNet-50's largest bucket, 6.5M entries).
   """
+  if tag_words.shape[-1] % 4:
+    raise ValueError(f"width_prefix: the tags of a multiple of 16 entries (tag_words a multiple of 4"
+                     f" bytes), got {tag_words.shape[-1]} bytes")
   words = lax.bitcast_convert_type(tag_words.reshape(-1, 4), jnp.uint32)
   totals = _tag_widths(words)
   before = compaction.prefix_sum(totals) - totals

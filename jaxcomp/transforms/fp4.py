@@ -223,8 +223,11 @@ class ChunkedLowBitTopKCodec(Codec):
     return jnp.zeros((segs.length,), jnp.float32).at[pos].set(vals, mode="drop", unique_indices=True)
 
   def aggregate(self, gathered, key, segs, num):
-    return scatter_mean(lambda w: self._dense(gathered.payload(w), segs.length)[::-1], gathered.workers,
-                        segs.length, num)
+    def sparse(w):
+      pos, vals = self._dense(gathered.payload(w), segs.length)
+      return vals, pos
+
+    return scatter_mean(sparse, gathered, segs.length, num)
 
 
 def chunked_topk(density: float = 0.02, bits: int = 2, chunk: int = 4096, decay: float = 0.95,

@@ -119,7 +119,7 @@ class RedSyncExchange(Exchange):
 
   def mean(self, gathered: packing.Gathered, segs: Segments, num: int) -> jax.Array:
     """The mean of the gathered payloads, each decoded where the loop over workers reads it."""
-    return scatter_mean(lambda w: self.values(gathered.payload(w), segs), gathered.workers, segs.length, num)
+    return scatter_mean(lambda w: self.values(gathered.payload(w), segs), gathered, segs.length, num)
 
   def bucket_wire_bytes(self, segs, workers=None):
     cap = int(self.caps(segs).sum())

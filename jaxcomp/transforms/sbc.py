@@ -285,7 +285,7 @@ class SBCExchange(Exchange):
       pos, _ = golomb.decode_positions(stream, nbits, b, total, n)
       return value[compaction.segment_of(pos, segs)], pos
 
-    mean = scatter_mean(sparse, gathered.workers, n, num)
+    mean = scatter_mean(sparse, gathered, n, num)
     values = gathered.payloads()[0]  # one float32 per segment and worker
     return jnp.where(jnp.all(jnp.isfinite(values)), mean, jnp.nan)
 

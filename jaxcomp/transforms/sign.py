@@ -8,7 +8,6 @@ per segment, from the segment reductions of :class:`jaxcomp.layout.Segments`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,18 +24,18 @@ from jaxcomp.transforms import _args
 TIES = ("zero", "positive")
 
 
-def majority_vote(words: Callable[[jax.Array], jax.Array], workers: int, n: int,
-                  ties: str = "zero") -> jnp.ndarray:
-  """sign(sum over workers of +-1) from each worker's ``ceil(n/8)`` packed sign words, ``words(w)``.
+def majority_vote(gathered: packing.Gathered, n: int, ties: str = "zero") -> jnp.ndarray:
+  """sign(sum over workers of +-1) from the gathered payloads, each ending in ``ceil(n/8)`` packed
+  sign words (read inside the loop over workers).
 
   ``ties="zero"``: a tie gives 0; ``"positive"``: a tie gives +1 (GRACE's
   rule, ``sum >= 0 -> +1``), so the output is always +-1.
   """
   def body(w, acc):
-    return acc + 2 * packing.unpack(words(w), 1, n).astype(jnp.int32) - 1
+    return acc + 2 * packing.unpack(gathered.payload(w)[-1], 1, n).astype(jnp.int32) - 1
 
-  first = words(0)
-  votes = lax.fori_loop(0, workers, body, ops.like_vma(jnp.zeros((n,), jnp.int32), first))
+  zeros = ops.like_vma(jnp.zeros((n,), jnp.int32), gathered.buffers)
+  votes = lax.fori_loop(0, gathered.workers, body, zeros)
   if ties == "positive":
     return jnp.where(votes >= 0, 1.0, -1.0).astype(jnp.float32)
   return jnp.sign(votes).astype(jnp.float32)
@@ -79,7 +78,7 @@ class SignCodec(Codec):
     return segs.spread(scale) * packing.unpack_signs(words, segs.length)
 
   def aggregate(self, gathered, key, segs, num):
-    vote = majority_vote(lambda w: gathered.payload(w)[1], gathered.workers, segs.length, self.ties)
+    vote = majority_vote(gathered, segs.length, self.ties)
     heads = gathered.payloads()[0]  # the flags or the scales: a few bytes a worker
     if not self.scaled:
       return vote + jnp.sum(heads)

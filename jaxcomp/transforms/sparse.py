@@ -31,7 +31,7 @@ from jax import lax
 
 from jaxcomp import layout
 from jaxcomp.builder import build
-from jaxcomp.collectives import ops
+from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.kernels import segtopk
 from jaxcomp.layout import Segments
@@ -46,8 +46,9 @@ POSITIONS = ("chunk16", "global")
 VALUE_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def scatter_mean(sparse: Callable[[jax.Array], tuple], workers: int, n: int, num: int) -> jax.Array:
-  """Mean over ``workers`` sparse payloads, accumulated into one dense vector.
+def scatter_mean(sparse: Callable[[jax.Array], tuple], gathered: packing.Gathered, n: int,
+                 num: int) -> jax.Array:
+  """Mean over the workers of ``gathered`` sparse payloads, accumulated into one dense vector.
 
   ``sparse(w)`` gives worker ``w``'s ``(values, indices)``, ``(k,)`` each
   (indices ``>= n`` are dropped), read inside the loop (from
@@ -59,8 +60,8 @@ def scatter_mean(sparse: Callable[[jax.Array], tuple], workers: int, n: int, num
     values, indices = sparse(w)
     return acc.at[indices.astype(jnp.int32)].add(values.astype(jnp.float32), mode="drop")
 
-  zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), sparse(0)[0])
-  return lax.fori_loop(0, workers, body, zeros) / num
+  zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), gathered.buffers)
+  return lax.fori_loop(0, gathered.workers, body, zeros) / num
 
 
 # ----------------------------------------------------------------------------
@@ -153,7 +154,7 @@ class TopKCodec(Codec):
       payload = gathered.payload(w)
       return payload[0], self._positions(payload, n)
 
-    return scatter_mean(sparse, gathered.workers, n, num)
+    return scatter_mean(sparse, gathered, n, num)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +198,7 @@ class ChunkedTopKCodec(Codec):
       vals, off = gathered.payload(w)
       return vals, self._positions(off, n)
 
-    return scatter_mean(sparse, gathered.workers, n, num)
+    return scatter_mean(sparse, gathered, n, num)
 
 
 def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,

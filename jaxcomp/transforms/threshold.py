@@ -103,7 +103,7 @@ def sparse_mean(gathered: packing.Gathered, n: int, num: int, sparse=lambda p: p
     values, idx, count = sparse(gathered.payload(w))
     return values, valid_indices(idx, count, n)
 
-  return scatter_mean(values_indices, gathered.workers, n, num)
+  return scatter_mean(values_indices, gathered, n, num)
 
 
 def sparse_bytes(n: int, capacity: int) -> int:
