@@ -374,7 +374,7 @@ class CodecExchange(Exchange):
     local = codec.decode(payload, enc_key, segs)
     if ctx.axis.name is None:
       return local, local, extra
-    gathered = packing.Gathered(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    gathered = ops.allgather_payload(payload, ctx.axis)
     return codec.aggregate(gathered, dec_key, segs, ctx.axis.size), local, extra
 
   def bucket_wire_bytes(self, segs, workers=None):

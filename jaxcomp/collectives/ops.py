@@ -18,6 +18,7 @@ from typing import Any
 import jax
 from jax import lax
 
+from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import Axis
 
 try:  # JAX >= 0.6: Varying -> Invariant gather; not yet exported from jax.lax.
@@ -68,6 +69,12 @@ def allgather(tree: Any, axis: Axis) -> Any:
   if gather is not None:
     return gather(tree, axis.name)
   return lax.all_gather(tree, axis.name)
+
+
+def allgather_payload(payload: Any, axis: Axis) -> packing.Gathered:
+  """Every worker's payload: its arrays packed into one byte buffer (:func:`packing.to_bytes`), one
+  all-gather, read back one worker at a time through :class:`packing.Gathered`."""
+  return packing.Gathered(allgather(packing.to_bytes(payload), axis), payload)
 
 
 def allgather_tiled(x: jax.Array, axis: Axis) -> jax.Array:

@@ -58,7 +58,7 @@ import numpy as np
 
 from jaxcomp import layout
 from jaxcomp.builder import build
-from jaxcomp.collectives import ops, packing
+from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.layout import Segments
 from jaxcomp.memories import DGCMemory
@@ -154,7 +154,7 @@ class DGCExchange(Exchange):
     local = sparse_decode(*payload, n)
     if ctx.axis.name is None:
       return local, local, extra
-    gathered = packing.Gathered(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    gathered = ops.allgather_payload(payload, ctx.axis)
     return sparse_mean(gathered, n, ctx.axis.size), local, extra
 
   def bucket_wire_bytes(self, segs, workers=None):

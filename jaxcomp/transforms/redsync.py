@@ -114,7 +114,7 @@ class RedSyncExchange(Exchange):
     local = self.decode(payload, segs)
     if ctx.axis.name is None:
       return local, local, thresholds
-    gathered = packing.Gathered(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    gathered = ops.allgather_payload(payload, ctx.axis)
     return self.mean(gathered, segs, ctx.axis.size), local, thresholds
 
   def mean(self, gathered: packing.Gathered, segs: Segments, num: int) -> jax.Array:

@@ -294,7 +294,7 @@ class SBCExchange(Exchange):
     payload, local = self._encode(a, segs)
     if ctx.axis.name is None:
       return jnp.where(jnp.all(jnp.isfinite(payload[0])), local, jnp.nan), local
-    gathered = packing.Gathered(ops.allgather(packing.to_bytes(payload), ctx.axis), payload)
+    gathered = ops.allgather_payload(payload, ctx.axis)
     return self._mean(gathered, segs, ctx.axis.size), local
 
   def _sync(self, x, segs, state: SBCState, ctx: Ctx, params, anchor):
