@@ -1,10 +1,13 @@
 """``python -m jaxcomp.bench kernels``: one small run prints each figure beside its target."""
 
 import os
+import platform
 import subprocess
 import sys
 
 import pytest
+
+from jaxcomp.bench import malloc
 
 
 def _run(*args):
@@ -24,6 +27,19 @@ def test_kernels_quick_prints_a_row_per_method_with_its_targets():
   # differ from the printed ratio by their rounding.
   assert abs(ratio - ms / copy_ms) <= (ms / copy_ms) * (0.05 / ms + 0.05 / copy_ms) + 0.005 + 1e-9
   assert row[4:6] == ["<=", "10"] and row[6] in ("yes", "no")
+  first = out.stdout.splitlines()[0]
+  if "GLIBC_TUNABLES" not in os.environ and platform.libc_ver()[0] == "glibc":  # started again under it
+    assert f"GLIBC_TUNABLES={malloc.CACHING!r} (the benchmarks' caching malloc)" in first, first
+
+
+def test_caching_malloc_is_left_out_when_asked_or_already_set(monkeypatch):
+  argv = ["kernels", "--system-malloc", "--quick"]
+  assert malloc.reexec_with_caching_malloc(argv) == ["kernels", "--quick"]
+  monkeypatch.setenv("GLIBC_TUNABLES", "")  # the user's (empty) setting is kept: no new start
+  assert malloc.reexec_with_caching_malloc(["kernels"]) == ["kernels"]
+  assert malloc.setting() == "GLIBC_TUNABLES=''"
+  monkeypatch.delenv("GLIBC_TUNABLES")
+  assert malloc.setting() == "system malloc (GLIBC_TUNABLES unset)"
 
 
 @pytest.mark.parametrize("models", ["", "resnet", "bert,gpt2"])

@@ -86,4 +86,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  from jaxcomp.bench import malloc
+
+  main(malloc.reexec_with_caching_malloc(sys.argv[1:]))

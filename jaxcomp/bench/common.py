@@ -38,12 +38,14 @@ def machine() -> str:
 
 
 def header(command: str) -> str:
-  """Two lines: date, machine and JAX (backend, devices); the command that printed the table."""
+  """Two lines: date, machine, JAX (backend, devices), the allocator; the command that printed the table."""
   import jax
+
+  from jaxcomp.bench import malloc
 
   now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
   return (f"date: {now}; machine: {machine()}; jax {jax.__version__}"
-          f" ({jax.default_backend()}, {jax.device_count()} devices)\ncommand: {command}")
+          f" ({jax.default_backend()}, {jax.device_count()} devices); {malloc.setting()}\ncommand: {command}")
 
 
 # ----------------------------------------------------------------------------

@@ -16,9 +16,9 @@ compiled pmap step on one 4096 x 4096 leaf (``--no-memory`` skips it).
 Options: ``--quick`` (the first 40 gradients of each model, 3 runs),
 ``--methods a,b``, ``--models resnet50,bert``, ``--reps R``, ``--no-memory``, ``--no-timing``,
 ``--json PATH``.
-On CPU, large fresh buffers cost page faults: run with
-``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (transparent huge pages for malloc)
-as the README's table does; the header prints the setting.
+On CPU, ``python -m jaxcomp.bench`` runs under glibc malloc set to keep the
+memory it frees (:mod:`jaxcomp.bench.malloc`; ``--system-malloc`` opts out):
+otherwise every step's temporaries cost fresh pages. The header prints the setting.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -224,8 +223,7 @@ def main(argv=None) -> None:
         f" grads not donated, fresh output; median of {reps} runs after a warm-up; 'copy' ="
         " jit(jnp.copy) of the same grads into fresh buffers, timed just before each method."
         " compile s: lower + compile of that update. colls: collectives in the compiled 8-worker"
-        " pmap step; temp x: its temporary bytes / the dense step's."
-        f" GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}. Shared machine: other jobs add noise.")
+        " pmap step; temp x: its temporary bytes / the dense step's. Shared machine: other jobs add noise.")
   results: dict = {"reps": reps, "cases": [], "memory": []}
   for label, case_shapes in ([] if args.no_timing else cases):
     grads = shp.random(case_shapes)

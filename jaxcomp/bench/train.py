@@ -52,7 +52,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence
 
-from jaxcomp.bench import netsim
+from jaxcomp.bench import malloc, netsim
 from jaxcomp.bench.common import (
   BLOCK_EVERY,
   NETWORK_GBPS,
@@ -396,7 +396,7 @@ def replot(out: str) -> List[str]:
 
 
 def _intro(args, ds, names, n_params: int, date: str, cmd: str) -> None:
-  """Prints what the run is: data, model, workers, steps, optimizer, machine, methods."""
+  """Prints what the run is: data, model, workers, steps, optimizer, machine, allocator, methods."""
   import jax
 
   print(f"jaxcomp benchmark, {date}: {cmd}")
@@ -409,7 +409,7 @@ def _intro(args, ds, names, n_params: int, date: str, cmd: str) -> None:
            f"each method's jaxcomp.recipe(name, {args.lr:g}) in place of"
            f" sgd({args.lr:g}, momentum={MOMENTUM:g})")
         + f"; transport {args.transport}; seed {args.seed};"
-        f" {os.cpu_count()} CPU cores; jax {jax.__version__}")
+        f" {os.cpu_count()} CPU cores; jax {jax.__version__}; {malloc.setting()}")
   print(f"methods ({len(names)}): {', '.join(names)}", flush=True)
 
 
@@ -545,7 +545,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Any]:
       "momentum_override": MOMENTUM_OVERRIDE, "optimizer": "sgd(lr, momentum)",
       "jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
       "machine": platform.machine(), "total_seconds": total, "netsim": True,
-      "latency_us": args.latency_us,
+      "latency_us": args.latency_us, "allocator": malloc.setting(),
   }
   _write(args, meta, results, tuned, md, notes, tune_md)
   return results

@@ -1,0 +1,52 @@
+"""The benchmarks' allocator setting on Linux: glibc malloc keeps the memory it frees.
+
+XLA:CPU allocates each execution's temporaries in one block, far above glibc
+malloc's largest mmap threshold (32 MiB), so by default every call of a
+compiled step maps fresh pages and the kernel zeroes each one on first touch
+(measured: fp16's ResNet-50 update took 45,665 minor page faults per step,
+72 ms against 29 ms without them; a copy of the same gradients none). GPU and
+TPU runtimes keep their memory in a caching allocator, and the speed issue's
+first measurement ran both sides under jemalloc. :data:`CACHING` makes glibc
+malloc do the same: one arena grown by ``brk``, never ``mmap`` for a block,
+never trimmed, transparent huge pages. It must be in the environment when
+the process starts, so ``python -m jaxcomp.bench`` starts itself again with
+it (:func:`reexec_with_caching_malloc`) unless ``GLIBC_TUNABLES`` is already
+set (an empty value keeps the system's setting) or ``--system-malloc`` is given.
+Every table's header prints the setting it ran under.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+CACHING = ("glibc.malloc.hugetlb=1:glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0"
+           ":glibc.malloc.trim_threshold=17179869184")
+OPT_OUT = "--system-malloc"
+
+
+def setting() -> str:
+  """The allocator setting this process runs under, for a table's header."""
+  value = os.environ.get("GLIBC_TUNABLES")
+  if value is None:
+    return "system malloc (GLIBC_TUNABLES unset)"
+  return f"GLIBC_TUNABLES={value!r}" + (" (the benchmarks' caching malloc)" if value == CACHING else "")
+
+
+def reexec_with_caching_malloc(argv: list[str]) -> list[str]:
+  """Starts ``python -m jaxcomp.bench argv`` again under :data:`CACHING` where it applies.
+
+  Returns ``argv`` without ``--system-malloc`` when the process goes on as it is:
+  not Linux with glibc, ``GLIBC_TUNABLES`` already in the environment (set by the
+  user, or by this function before the new start), or the option given.
+  """
+  if OPT_OUT in argv:
+    return [a for a in argv if a != OPT_OUT]
+  if "GLIBC_TUNABLES" in os.environ or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    return argv
+  env = dict(os.environ, GLIBC_TUNABLES=CACHING)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, [sys.executable, "-m", "jaxcomp.bench", *argv], env)
+  raise AssertionError("os.execve returned")  # pragma: no cover
