@@ -19,6 +19,9 @@ Options: ``--quick`` (the first 40 gradients of each model, 3 runs),
 On CPU, ``python -m jaxcomp.bench`` runs under glibc malloc set to keep the
 memory it frees (:mod:`jaxcomp.bench.malloc`; ``--system-malloc`` opts out):
 otherwise every step's temporaries cost fresh pages. The header prints the setting.
+Compile seconds are then measured in a process of their own under the earlier
+tables' setting (:data:`jaxcomp.bench.malloc.PLAIN`): the caching setting slows
+XLA's compiler (:func:`compile_apart`).
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 
+from jaxcomp.bench import malloc
 from jaxcomp.bench.common import VARIANTS, header, time_copy, time_update
 
 # Ratio of each method's time to a memory copy of the same gradients, on
@@ -114,11 +120,41 @@ def step_memory(tx, shapes, workers: int = 8) -> dict[str, int]:
           "collectives": int(wire["count"]), "bytes": int(wire["total"])}
 
 
+def compile_table(grads, entries) -> dict[str, float]:
+  """Each row's compile seconds (``--compile-only``: what the parent reads from this process)."""
+  import jaxcomp
+
+  return {name: compile_seconds(jaxcomp.steady(jaxcomp.METHODS[base](axis_name=None, **kwargs)), grads)
+          for name, base, kwargs in entries}
+
+
+def compile_apart(model: str, entries, quick: bool) -> dict[str, float] | None:
+  """Compile seconds measured in a child process under the system allocator's setting.
+
+  Under the caching malloc (:mod:`jaxcomp.bench.malloc`) XLA compiles up to
+  about 1.5-2x slower (one arena for every thread), so compile seconds come
+  from a process that users' own runs resemble: ``GLIBC_TUNABLES`` as the
+  README's earlier tables (transparent huge pages only). None when this
+  process does not run under the caching malloc (compile is then timed here).
+  """
+  if os.environ.get("GLIBC_TUNABLES") != malloc.CACHING:
+    return None
+  argv = [sys.executable, "-m", "jaxcomp.bench", "kernels", "--compile-only", "--models", model,
+          "--methods", ",".join(name for name, _, _ in entries)] + (["--quick"] if quick else [])
+  env = dict(os.environ, GLIBC_TUNABLES=malloc.PLAIN)
+  out = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+  if out.returncode != 0:
+    raise RuntimeError(f"the compile-time process failed ({' '.join(argv[1:])}): {out.stderr[-2000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _kw_text(kwargs: dict) -> str:
   return ",".join(f"{k}={v}" for k, v in kwargs.items())
 
 
-def run_case(label: str, grads, entries, reps: int, workers: int = 8, out=sys.stdout) -> list[dict]:
+def run_case(label: str, grads, entries, reps: int, workers: int = 8, out=sys.stdout,
+             compiled: dict | None = None) -> list[dict]:
+  """One model's rows; ``compiled``: each row's compile seconds measured elsewhere (else measured here)."""
   import jax
 
   import jaxcomp
@@ -137,7 +173,7 @@ def run_case(label: str, grads, entries, reps: int, workers: int = 8, out=sys.st
     copy_s = time_copy(grads, reps)
     try:
       tx = jaxcomp.steady(jaxcomp.METHODS[base](axis_name=None, **kwargs))  # after any warm-up
-      compile_s = compile_seconds(tx, grads)
+      compile_s = compiled[name] if compiled else compile_seconds(tx, grads)
       t = time_update(tx, grads, reps)
       step = (step_memory(jaxcomp.steady(jaxcomp.METHODS[base](axis_name="data", **kwargs)), shapes, workers)
               if pmap_step else {"collectives": -1, "temp": 0})
@@ -194,6 +230,8 @@ def main(argv=None) -> None:
   parser.add_argument("--json", default=None, help="also write the results to this JSON file")
   parser.add_argument("--models", default="resnet50,bert",
                       help="comma-separated gradient shapes to time: resnet50, bert (default both)")
+  parser.add_argument("--compile-only", action="store_true",
+                      help="print each row's compile seconds as one JSON line (the compile-time process)")
   args = parser.parse_args(argv)
   models = [m for m in args.models.split(",") if m]
   if not models or any(m not in ("resnet50", "bert") for m in models):
@@ -213,21 +251,28 @@ def main(argv=None) -> None:
 
   named = {"resnet50": ("ResNet-50", shp.resnet50_shapes()), "bert": ("BERT-base", shp.bert_base_shapes())}
   if args.quick:
-    cases = [(f"first 40 {named[m][0]} gradients", named[m][1][:40]) for m in models]
+    cases = [(m, f"first 40 {named[m][0]} gradients", named[m][1][:40]) for m in models]
   else:
-    cases = [named[m] for m in models]
+    cases = [(m, *named[m]) for m in models]
+  if args.compile_only:
+    for _, _, case_shapes in cases:
+      print(json.dumps(compile_table(shp.random(case_shapes), entries)))
+    return
 
   command = "python -m jaxcomp.bench kernels " + " ".join(argv if argv is not None else sys.argv[1:])
   print(header(command.strip()))
   print("timing: jit(tx.update) with axis_name=None, state donated (residual updated in place),"
         f" grads not donated, fresh output; median of {reps} runs after a warm-up; 'copy' ="
         " jit(jnp.copy) of the same grads into fresh buffers, timed just before each method."
-        " compile s: lower + compile of that update. colls: collectives in the compiled 8-worker"
-        " pmap step; temp x: its temporary bytes / the dense step's. Shared machine: other jobs add noise.")
+        " compile s: lower + compile of that update (in a process of its own under"
+        f" GLIBC_TUNABLES={malloc.PLAIN!r} when this one runs under the caching malloc). colls:"
+        " collectives in the compiled 8-worker pmap step; temp x: its temporary bytes / the dense"
+        " step's. Shared machine: other jobs add noise.")
   results: dict = {"reps": reps, "cases": [], "memory": []}
-  for label, case_shapes in ([] if args.no_timing else cases):
+  for model, label, case_shapes in ([] if args.no_timing else cases):
+    compiled = compile_apart(model, entries, args.quick)
     grads = shp.random(case_shapes)
-    results["cases"].extend(run_case(label, grads, entries, reps))
+    results["cases"].extend(run_case(label, grads, entries, reps, compiled=compiled))
     del grads
     jax.clear_caches()
   if not args.no_memory:
