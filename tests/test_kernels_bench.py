@@ -35,6 +35,9 @@ def test_kernels_quick_prints_a_row_per_method_with_its_targets():
 def test_caching_malloc_is_left_out_when_asked_or_already_set(monkeypatch):
   argv = ["kernels", "--system-malloc", "--quick"]
   assert malloc.reexec_with_caching_malloc(argv) == ["kernels", "--quick"]
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  assert malloc.reexec_with_caching_malloc(["--quick"]) == ["--quick"]  # the main job keeps the system's
+  assert malloc.reexec_with_caching_malloc(["lm", "--steps", "2"]) == ["lm", "--steps", "2"]
   monkeypatch.setenv("GLIBC_TUNABLES", "")  # the user's (empty) setting is kept: no new start
   assert malloc.reexec_with_caching_malloc(["kernels"]) == ["kernels"]
   assert malloc.setting() == "GLIBC_TUNABLES=''"
