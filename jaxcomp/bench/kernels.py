@@ -16,7 +16,7 @@ compiled pmap step on one 4096 x 4096 leaf (``--no-memory`` skips it).
 Options: ``--quick`` (the first 40 gradients of each model, 3 runs),
 ``--methods a,b``, ``--models resnet50,bert``, ``--reps R``, ``--no-memory``, ``--no-timing``,
 ``--json PATH``.
-On CPU, ``python -m jaxcomp.bench`` runs under glibc malloc set to keep the
+On CPU, ``python -m jaxcomp.bench kernels`` runs under glibc malloc set to keep the
 memory it frees (:mod:`jaxcomp.bench.malloc`; ``--system-malloc`` opts out):
 otherwise every step's temporaries cost fresh pages. The header prints the setting.
 Compile seconds are then measured in a process of their own under the earlier

@@ -22,9 +22,9 @@ against 12 of 22 and 15.6 ms under the system's allocator at 15:51).
 
 Its cost: one arena for every thread makes XLA's own compilation slower (ResNet-50's
 top-k update compiled in 9.1 and 9.4 s under ``glibc.malloc.hugetlb=1`` alone, 14.2 and
-15.2 s under :data:`CACHING`; QSGD 1.9, 2.0 -> 2.8, 3.2 s), so compile seconds measured
-under it are upper bounds; two arenas compile as fast but fault again (bf16: 4,494 faults
-a step).
+15.2 s under :data:`CACHING`; QSGD 1.9, 2.0 -> 2.8, 3.2 s), so the kernel table times
+compilation in a process of its own under :data:`PLAIN`; two arenas compile as fast but
+fault again (bf16: 4,494 faults a step).
 """
 
 from __future__ import annotations

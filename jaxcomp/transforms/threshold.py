@@ -25,7 +25,7 @@ from jax import lax
 
 from jaxcomp import layout
 from jaxcomp.builder import build
-from jaxcomp.collectives import ops, packing
+from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.kernels import compaction
 from jaxcomp.layout import Segments
@@ -236,15 +236,6 @@ def refine_threshold(a: jax.Array, thr: jax.Array, k, low: float, high: float, u
   n = a.shape[0]
   segs = Segments((0,), (n,), ((n,),))
   return refine_thresholds(a, jnp.reshape(thr, (1,)), k, segs, low, high, up, down, iterations)[0]
-
-
-def loop_mean(decode, gathered: packing.Gathered, n: int, num: int) -> jax.Array:
-  """Mean of the decoded gathered payloads, one decode at a time."""
-  def body(w, acc):
-    return acc + decode(gathered.payload(w))
-
-  zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), gathered.buffers)
-  return lax.fori_loop(0, gathered.workers, body, zeros) / num
 
 
 # ----------------------------------------------------------------------------
@@ -480,8 +471,8 @@ class AdaQCodec(Codec):
     return sparse_decode(*self._sparse(payload, segs), n)
 
   def aggregate(self, gathered, key, segs, num):
-    if self.uses_map(segs):
-      return loop_mean(lambda p: self.decode(p, key, segs), gathered, segs.length, num)
+    if self.uses_map(segs):  # the base's loop: one worker's map decoded at a time
+      return super().aggregate(gathered, key, segs, num)
     return sparse_mean(gathered, segs.length, num, lambda p: self._sparse(p, segs))
 
 
