@@ -52,7 +52,13 @@ from jaxcomp.collectives.axis import AxisName
 from jaxcomp.method import Method
 from jaxcomp.protocol import DENSE, Ctx, FusedExchange, GroupExchange, Memory
 from jaxcomp.transforms import _args
-from jaxcomp.transforms.lowrank import compression_rate, keep_nonzero_columns, matrix_route, orthogonalize_all
+from jaxcomp.transforms.lowrank import (
+  compression_rate,
+  keep_nonzero_columns,
+  matrix_route,
+  orthogonalize_all,
+  transposed_product,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,10 +262,10 @@ class ACPFusion(FusedExchange):
         sent[g, 0] = Pl.reshape(Pl.shape[0], -1) / num
       if q_rows.size:
         Po = next(done)
-        Ql = jnp.einsum("gab,gar->gbr", _take(X, q_rows), Po)
-        local = _put(local, q_rows, jnp.einsum("gar,gbr->gab", Po, Ql))
+        Qt = transposed_product(_take(X, q_rows), Po)  # Q^T (G, r, cols): travels in this layout
+        local = _put(local, q_rows, jnp.einsum("gar,grb->gab", Po, Qt))
         P = _put(P, q_rows, Po)
-        sent[g, 1] = Ql.reshape(Ql.shape[0], -1) / num
+        sent[g, 1] = Qt.reshape(Qt.shape[0], -1) / num
       locals_.append(local)
       fixed.append((P, Q))
     parts = []
@@ -294,9 +300,9 @@ class ACPFusion(FusedExchange):
         # not a plain Pm: P keeps the state's (varying) type; a zero column keeps the last one
         P = P.at[p_rows].set(keep_nonzero_columns(Pm, _take(P, p_rows)))
       if q_rows.size:
-        Qm = _in_order(got[g, 1]).reshape(-1, b, Q.shape[-1])
-        mean = _put(mean, q_rows, jnp.einsum("gar,gbr->gab", _take(P, q_rows), Qm))
-        Q = Q.at[q_rows].set(keep_nonzero_columns(Qm, _take(Q, q_rows)))
+        Qmt = _in_order(got[g, 1]).reshape(-1, Q.shape[-1], b)
+        mean = _put(mean, q_rows, jnp.einsum("gar,grb->gab", _take(P, q_rows), Qmt))
+        Q = Q.at[q_rows].set(keep_nonzero_columns(jnp.swapaxes(Qmt, 1, 2), _take(Q, q_rows)))
       means.append(mean)
       states.append((P, Q))  # a non-finite factor means a non-finite mean: build() restores them
     return means, states

@@ -203,6 +203,18 @@ def orthogonalize_all(Ps):
   return out
 
 
+def transposed_product(X: jax.Array, P: jax.Array) -> jax.Array:
+  """``(X^T P)^T`` of stacked matrices: X ``(G, a, b)``, P ``(G, a, r)`` -> ``(G, r, b)``.
+
+  PowerSGD's ``Q = M^T P``, computed transposed: XLA:CPU runs ``P^T X`` (the
+  small factor transposed) several times faster than ``X^T P`` (the gradient
+  transposed; measured on ResNet-50's largest group, (3, 4608, 512) by rank 4:
+  1.5 against 10.6 ms, a copy of X 9.9 ms). Callers keep the result in this
+  layout: a transpose after it is folded back into the slow form.
+  """
+  return jnp.einsum("gar,gab->grb", P, X)
+
+
 def _flat(parts) -> jax.Array:
   parts = [p.reshape(-1) for p in parts]
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -276,12 +288,13 @@ class PowerSGDExchange(Exchange):
     P = ops.allreduce_sum(P, axis) / axis.size  # every view's P in one all-reduce
     Ps = _split(P, [(len(idx), view[0], self._r(view)) for view, idx in groups])
     Ps = orthogonalize_all(Ps)
-    Qn = _flat([jnp.einsum("gab,gar->gbr", X, P) for X, P in zip(Xs, Ps)])
+    Qn = _flat([transposed_product(X, P) for X, P in zip(Xs, Ps)])  # each Q^T (G, r, cols)
     Qn = ops.allreduce_sum(Qn, axis) / axis.size  # and every Q in another
-    Qns = _split(Qn, self._shapes(segs))
-    Ms = [jnp.einsum("gar,gbr->gab", P, Q) for P, Q in zip(Ps, Qns)]
+    Qts = _split(Qn, [(g, r, b) for g, b, r in self._shapes(segs)])
+    Ms = [jnp.einsum("gar,grb->gab", P, Qt) for P, Qt in zip(Ps, Qts)]
     M = _unstack(groups, Ms, segs)
-    kept = _flat([keep_nonzero_columns(new, old) for new, old in zip(Qns, self.warm_start(segs, Q))])
+    kept = _flat([keep_nonzero_columns(jnp.swapaxes(new, 1, 2), old)
+                  for new, old in zip(Qts, self.warm_start(segs, Q))])
     return M, M, jnp.where(jnp.all(jnp.isfinite(Qn)), kept, Q)  # a NaN step must not poison the warm start
 
   def exchange(self, x, segs, extra, ctx: Ctx):
