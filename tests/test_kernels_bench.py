@@ -49,3 +49,16 @@ def test_caching_malloc_is_left_out_when_asked_or_already_set(monkeypatch):
 def test_kernels_refuses_unknown_models(models):
   out = _run("--models", models, "--no-memory")
   assert out.returncode != 0 and "--models takes resnet50 and/or bert" in out.stderr
+
+
+def test_grow_heap_only_under_the_caching_malloc(monkeypatch):
+  calls = []
+  monkeypatch.setattr("numpy.ones", lambda *a, **k: calls.append(a))
+  monkeypatch.setenv("GLIBC_TUNABLES", malloc.PLAIN)
+  malloc.grow_heap(1 << 20)
+  assert calls == []
+  monkeypatch.setenv("GLIBC_TUNABLES", malloc.CACHING)
+  malloc.grow_heap(0)
+  assert calls == []
+  malloc.grow_heap(1 << 20)
+  assert calls == [((1 << 20) // 8, __import__("numpy").float64)]
