@@ -236,8 +236,9 @@ class PowerSGDExchange(Exchange):
 
   Inside a bucket the matrices of one view are batched (one einsum per
   distinct view, as torch's ``batch_tensors_with_same_shape``), and the P
-  factors of every view travel in one all-reduce, the Q factors in another:
-  two collectives per bucket. The state of a bucket is one float32 vector:
+  factors of every view travel in one all-reduce, the Q factors in another
+  (transposed, ``(G, r, cols)``: :func:`transposed_product`): two
+  collectives per bucket. The state of a bucket is one float32 vector:
   the warm-started Q of each view group, ``(G, cols, r)`` flattened, groups
   in order of first appearance in the bucket (read it with
   :meth:`warm_start`). The kept Q is the all-reduced ``M^T P``, of the
