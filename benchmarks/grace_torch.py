@@ -4,13 +4,18 @@ Written here from GRACE's algorithms (``grace_dl/torch/compressor`` of sands-lab
 not copied): the same selection, rounding, payload dtypes and one-tensor-at-a-time loop, with
 no collective and no memory object. ``benchmarks/peers.py`` runs this file in a process of its
 own (PyTorch's defaults, the parent's allocator) and reads the JSON it prints:
-``{"torch": version, "threads": n, "rows": {method: {"seconds": s, "copy_seconds": s}}}``.
+``{"torch": version, "threads": n, "rows": {method: {"seconds": s, "copy_seconds": s}},
+"ddp": {hook: s}}`` (``ddp`` with ``--ddp``: PyTorch DDP's own fp16 and PowerSGD comm hooks
+beside its plain all-reduce, :func:`time_ddp`).
 
 Usage: ``python benchmarks/grace_torch.py --model resnet50 --reps 5 --methods fp16,topk``.
 """
 
 import argparse
+import contextlib
 import json
+import os
+import socket
 import statistics
 import time
 
@@ -177,7 +182,70 @@ def gradients(model: str) -> list:
   def torch_layout(a):
     return np.ascontiguousarray(a.transpose(3, 2, 0, 1) if a.ndim == 4 else a.T if a.ndim == 2 else a)
 
-  return [torch_layout(np.asarray(g)) for g in shapes.random(shapes.MODELS[model]())]
+  return [np.array(torch_layout(np.asarray(g))) for g in shapes.random(shapes.MODELS[model]())]  # writable
+
+
+DDP_HOOKS = ("plain", "fp16", "powersgd")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _ddp_model(tensors, hook: str):
+  """A DDP model whose parameters have the gradients' shapes, with the comm hook ``hook``."""
+  from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+  from torch.nn.parallel import DistributedDataParallel
+
+  module = torch.nn.Module()
+  module.params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(t)) for t in tensors])
+  model = DistributedDataParallel(module)  # 25 MiB buckets, as jaxcomp's
+  if hook == "fp16":
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+  elif hook == "powersgd":  # rank 4, error feedback and warm start (the defaults), from the third step
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                        start_powerSGD_iter=2)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+  return model
+
+
+@contextlib.contextmanager
+def process_group():
+  """A one-process gloo group on this machine, for DDP (destroyed on exit)."""
+  import torch.distributed as dist
+
+  os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+  os.environ.setdefault("MASTER_PORT", str(_free_port()))
+  dist.init_process_group("gloo", rank=0, world_size=1)
+  try:
+    yield
+  finally:
+    dist.destroy_process_group()
+
+
+def time_ddp(tensors, reps: int) -> dict:
+  """Median seconds of a backward step through PyTorch DDP (gloo, one process) under each hook.
+
+  The loss is ``sum(p * g)``, so backward hands each parameter the benchmark's
+  gradient ``g``; DDP copies the gradients into its buckets and all-reduces each
+  (``plain``) or runs ``fp16_compress_hook`` or ``powerSGD_hook`` on it. Gradients
+  are zeroed between steps, outside the timing.
+  """
+  out = {}
+  with process_group():
+    for hook in DDP_HOOKS:
+      model = _ddp_model(tensors, hook)
+      params = model.module.params
+      times = []
+      for _ in range(reps + 3):  # 3 warm-up steps: PowerSGD compresses from the third
+        model.zero_grad(set_to_none=False)
+        start = time.perf_counter()
+        sum((p * t).sum() for p, t in zip(params, tensors)).backward()
+        times.append(time.perf_counter() - start)
+      out[hook] = statistics.median(times[3:])
+  return out
 
 
 def main(argv=None) -> None:
@@ -185,6 +253,7 @@ def main(argv=None) -> None:
   parser.add_argument("--model", choices=("resnet50", "bert-base"), default="resnet50")
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--methods", required=True)
+  parser.add_argument("--ddp", action="store_true", help="also time PyTorch DDP's comm hooks (time_ddp)")
   args = parser.parse_args(argv)
   codecs = grace_codecs()
   arrays = gradients(args.model)
@@ -196,7 +265,9 @@ def main(argv=None) -> None:
   for name in args.methods.split(","):
     rows[name] = {"seconds": time_codec(codecs[name], tensors, args.reps),
                   "copy_seconds": time_copy(tensors, args.reps)}
-  print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}))
+  ddp = time_ddp(tensors, args.reps) if args.ddp else {}
+  print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows,
+                    "ddp": ddp}))
 
 
 if __name__ == "__main__":

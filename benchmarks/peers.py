@@ -44,9 +44,9 @@ def _reexec_with_caching_malloc() -> None:
 
 
 def grace_rows(model: str, methods: list, reps: int) -> dict:
-  """``benchmarks/grace_torch.py`` in a child process: its JSON."""
+  """``benchmarks/grace_torch.py --ddp`` in a child process: its JSON (GRACE's rows, DDP's hooks)."""
   script = Path(__file__).with_name("grace_torch.py")
-  out = subprocess.run([sys.executable, str(script), "--model", model, "--reps", str(reps),
+  out = subprocess.run([sys.executable, str(script), "--model", model, "--reps", str(reps), "--ddp",
                         "--methods", ",".join(methods)], capture_output=True, text=True, check=False)
   if out.returncode != 0:
     raise SystemExit(f"{script.name} failed:\n{out.stderr[-2000:]}")
@@ -83,16 +83,31 @@ def main(argv=None) -> None:
         f" median of {args.reps}")
   print(f"{'method':<10} {'settings':<12} {'grace ms':>9} {'copy ms':>8} {'x copy':>7}"
         f" {'jaxcomp ms':>10} {'copy ms':>8} {'x copy':>7} {'speed':>6}")
+  ours: dict = {}
   for name in methods:
     kwargs = kernels.method_kwargs(name, jaxcomp.METHODS[name])
     tx = jaxcomp.steady(jaxcomp.METHODS[name](axis_name=None, **kwargs))
     copy_s = common.time_copy(grads, args.reps)
     ours_s = common.time_update(tx, grads, args.reps)
+    ours[name] = ours_s
     g = grace["rows"][name]
     text = ",".join(f"{k}={v}" for k, v in kwargs.items())
     print(f"{name:<10} {text:<12} {g['seconds'] * 1e3:9.1f} {g['copy_seconds'] * 1e3:8.1f}"
           f" {g['seconds'] / g['copy_seconds']:7.2f} {ours_s * 1e3:10.1f} {copy_s * 1e3:8.1f}"
           f" {ours_s / copy_s:7.2f} {g['seconds'] / ours_s:6.2f}", flush=True)
+  _print_ddp(grace["ddp"], ours)
+
+
+def _print_ddp(ddp: dict, ours: dict) -> None:
+  """PyTorch DDP's own comm hooks: a backward step under each, and what each adds to the plain one."""
+  plain = ddp["plain"]
+  parts = [f"plain all-reduce {plain * 1e3:.1f} ms"]
+  for hook, label in (("fp16", "fp16_compress_hook"), ("powersgd", "powerSGD_hook rank 4")):
+    parts.append(f"{label} {ddp[hook] * 1e3:.1f} ms ({(ddp[hook] - plain) * 1e3:+.1f} over plain;"
+                 f" jaxcomp's {hook} update {ours[hook] * 1e3:.1f} ms)" if hook in ours else
+                 f"{label} {ddp[hook] * 1e3:.1f} ms ({(ddp[hook] - plain) * 1e3:+.1f} over plain)")
+  print("PyTorch DDP (gloo, one process), a backward step of loss sum(p * g) under each comm hook: "
+        + "; ".join(parts))
 
 
 if __name__ == "__main__":

@@ -14,13 +14,18 @@ torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
-def codecs():
+def grace_torch():
   path = Path(__file__).resolve().parents[1] / "benchmarks" / "grace_torch.py"
   spec = importlib.util.spec_from_file_location("grace_torch", path)
   module = importlib.util.module_from_spec(spec)
   sys.modules["grace_torch"] = module
   spec.loader.exec_module(module)
-  return module.grace_codecs()
+  return module
+
+
+@pytest.fixture(scope="module")
+def codecs(grace_torch):
+  return grace_torch.grace_codecs()
 
 
 def _tensor(n=4096, seed=0):
@@ -68,3 +73,15 @@ def test_powersgd_recovers_a_rank_four_matrix(codecs):
   assert torch.allclose(out, m, atol=1e-4)
   v = _tensor(16)
   assert torch.equal(codecs["powersgd"](v, "v", {}), v)  # vectors travel as they are
+
+
+def test_ddp_hooks_hand_back_the_gradients(grace_torch):
+  tensors = [_tensor(64 * 32).view(64, 32), _tensor(64, seed=1)]
+  times = grace_torch.time_ddp(tensors, reps=1)
+  assert set(times) == set(grace_torch.DDP_HOOKS) and all(t > 0 for t in times.values())
+  with grace_torch.process_group():
+    for hook in ("plain", "fp16"):  # one process: the mean is the gradient (float16-rounded under the hook)
+      model = grace_torch._ddp_model(tensors, hook)
+      sum((p * t).sum() for p, t in zip(model.module.params, tensors)).backward()
+      for p, t in zip(model.module.params, tensors):
+        assert torch.allclose(p.grad, t, rtol=1e-3, atol=1e-3)
