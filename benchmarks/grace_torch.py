@@ -186,6 +186,7 @@ def gradients(model: str) -> list:
 
 
 DDP_HOOKS = ("plain", "fp16", "powersgd")
+BUCKET_MB = 1024  # one DDP bucket: powerSGD_hook deadlocks under gloo with several (its chained futures)
 
 
 def _free_port() -> int:
@@ -194,14 +195,23 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+class _Params(torch.nn.Module):
+  """Parameters of the gradients' shapes; the loss ``sum(p * g)`` gives each the gradient ``g``."""
+
+  def __init__(self, tensors):
+    super().__init__()
+    self.params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(t)) for t in tensors])
+
+  def forward(self, grads):
+    return sum((p * g).sum() for p, g in zip(self.params, grads))
+
+
 def _ddp_model(tensors, hook: str):
-  """A DDP model whose parameters have the gradients' shapes, with the comm hook ``hook``."""
+  """A DDP model (:class:`_Params`) with the comm hook ``hook``; call it on the gradients for the loss."""
   from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
   from torch.nn.parallel import DistributedDataParallel
 
-  module = torch.nn.Module()
-  module.params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(t)) for t in tensors])
-  model = DistributedDataParallel(module)  # 25 MiB buckets, as jaxcomp's
+  model = DistributedDataParallel(_Params(tensors), bucket_cap_mb=BUCKET_MB)
   if hook == "fp16":
     model.register_comm_hook(None, default_hooks.fp16_compress_hook)
   elif hook == "powersgd":  # rank 4, error feedback and warm start (the defaults), from the third step
@@ -228,8 +238,8 @@ def process_group():
 def time_ddp(tensors, reps: int) -> dict:
   """Median seconds of a backward step through PyTorch DDP (gloo, one process) under each hook.
 
-  The loss is ``sum(p * g)``, so backward hands each parameter the benchmark's
-  gradient ``g``; DDP copies the gradients into its buckets and all-reduces each
+  The loss is ``sum(p * g)`` (:class:`_Params`), so backward hands each parameter
+  the benchmark's gradient ``g``; DDP copies the gradients into its buckets and all-reduces each
   (``plain``) or runs ``fp16_compress_hook`` or ``powerSGD_hook`` on it. Gradients
   are zeroed between steps, outside the timing.
   """
@@ -237,12 +247,11 @@ def time_ddp(tensors, reps: int) -> dict:
   with process_group():
     for hook in DDP_HOOKS:
       model = _ddp_model(tensors, hook)
-      params = model.module.params
       times = []
       for _ in range(reps + 3):  # 3 warm-up steps: PowerSGD compresses from the third
         model.zero_grad(set_to_none=False)
         start = time.perf_counter()
-        sum((p * t).sum() for p, t in zip(params, tensors)).backward()
+        model(tensors).backward()  # DDP's forward prepares its reducer; backward runs the hooks
         times.append(time.perf_counter() - start)
       out[hook] = statistics.median(times[3:])
   return out
