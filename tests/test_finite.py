@@ -151,7 +151,7 @@ def test_apply_if_finite_over_fewer_axes_than_the_transform_is_a_clear_error():
 
 
 @pytest.mark.parametrize("name", ["fp4", "u8bit", "inceptionn", "sketchml", "onebit", "adaq", "terngrad",
-                                  "topk", "sbc", "acpsgd", "natural", "qsgd", "signsgd", "signum",
+                                  "topk", "sbc", "acpsgd", "powersgd", "natural", "qsgd", "signsgd", "signum",
                                   "efsignsgd"])
 def test_rewritten_codecs_at_1e_6_inside_apply_if_finite_and_multisteps(name):
   # The codecs whose kernels the speed issue rewrote, as users hold them: gradients of 1e-6 per
