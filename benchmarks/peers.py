@@ -24,7 +24,6 @@ Needs PyTorch (``pip install torch``; not a dependency of jaxcomp).
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -32,15 +31,6 @@ from pathlib import Path
 os.environ.setdefault("PJRT_NPROC", "16")
 
 METHODS = "fp16,topk,randomk,dgc,qsgd,terngrad,signsgd,signum,efsignsgd,onebit,powersgd"
-
-
-def _reexec_with_caching_malloc() -> None:
-  from jaxcomp.bench import malloc
-
-  if "GLIBC_TUNABLES" in os.environ or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-    return
-  sys.stdout.flush()
-  os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, GLIBC_TUNABLES=malloc.CACHING))
 
 
 def grace_rows(model: str, methods: list, reps: int) -> dict:
@@ -63,11 +53,13 @@ def main(argv=None) -> None:
     import torch  # noqa: F401 - checked here, used by grace_torch.py
   except ImportError:
     raise SystemExit("benchmarks/peers.py needs PyTorch: pip install torch") from None
-  _reexec_with_caching_malloc()
+  from jaxcomp.bench import malloc
+
+  malloc.restart_under_caching(sys.argv)  # this script again, under the benchmarks' caching malloc
   import jax
 
   import jaxcomp
-  from jaxcomp.bench import common, kernels, malloc, shapes
+  from jaxcomp.bench import common, kernels, shapes
 
   methods = [m.strip() for m in args.methods.split(",") if m.strip()]
   unknown = [m for m in methods if m not in METHODS.split(",")]

@@ -59,14 +59,26 @@ def reexec_with_caching_malloc(argv: list[str]) -> list[str]:
   """
   if OPT_OUT in argv:
     return [a for a in argv if a != OPT_OUT]
-  if not argv or argv[0] not in SUBCOMMANDS or "GLIBC_TUNABLES" in os.environ:
-    return argv
+  if argv and argv[0] in SUBCOMMANDS:
+    restart_under_caching(["-m", "jaxcomp.bench", *argv])
+  return argv
+
+
+def restart_under_caching(command: list[str]) -> None:
+  """Starts ``python *command`` in place of this process under :data:`CACHING`.
+
+  Returns (and the process goes on as it is) on a system other than Linux with
+  glibc, or when ``GLIBC_TUNABLES`` is already in the environment (set by the
+  user, or by this function before the new start).
+  """
+  if "GLIBC_TUNABLES" in os.environ:
+    return
   if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-    return argv
+    return
   env = dict(os.environ, GLIBC_TUNABLES=CACHING)
   sys.stdout.flush()
   sys.stderr.flush()
-  os.execve(sys.executable, [sys.executable, "-m", "jaxcomp.bench", *argv], env)
+  os.execve(sys.executable, [sys.executable, *command], env)
   raise AssertionError("os.execve returned")  # pragma: no cover
 
 
