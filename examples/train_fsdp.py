@@ -38,7 +38,6 @@ parameters and the method over all 8 devices, for comparison::
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 import _common
@@ -118,44 +117,6 @@ def transformer(vocab: int, rngs):
   return Transformer()
 
 
-_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-
-
-def _group(line: str, n: int) -> list:
-  """The first replica group of an HLO collective (logical device ids; all ``n`` if it names none)."""
-  m = _LIST.search(line)
-  if m and m.group(1):
-    return [int(i) for i in m.group(1).split(",")]
-  m = _IOTA.search(line)
-  if not m:
-    return list(range(n))
-  import numpy as np
-
-  dims = [int(d) for d in m.group(3).split(",")]
-  ids = np.arange(int(np.prod(dims))).reshape(dims)
-  if m.group(4):
-    ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-  return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
-
-
-def bytes_by_axes(hlo: str, mesh) -> dict:
-  """Bytes one device hands to collectives per step, summed per tuple of mesh axes their groups span."""
-  import numpy as np
-
-  import jaxcomp
-
-  shape, out = mesh.devices.shape, {}
-  for line in hlo.splitlines():
-    counted = jaxcomp.collective_bytes(line)
-    if not counted["count"]:
-      continue
-    coords = np.array([np.unravel_index(i, shape) for i in _group(line, mesh.devices.size)])
-    axes = tuple(a for a, c in zip(mesh.axis_names, coords.T) if len(set(c)) > 1)
-    out[axes] = out.get(axes, 0) + counted["total"]
-  return out
-
-
 def check_sharded(params, specs, mesh) -> None:
   """Raises unless every parameter is laid out over ``mesh`` as its spec says."""
   import jax
@@ -177,8 +138,9 @@ def _report_bytes(args, tx, params, dp, state, batch, mesh) -> dict:
   import jax.numpy as jnp
 
   import jaxcomp
+  from jaxcomp.collectives import hlo
 
-  by_axes = bytes_by_axes(dp.lower(params, state, batch).compile().as_text(), mesh)
+  by_axes = hlo.bytes_by_axes(dp.lower(params, state, batch).compile().as_text(), mesh)
   compressed_over = AXES if args.replicated else ("dcn",)
   shard = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.addressable_shards[0].data.shape, jnp.float32),
                        params)

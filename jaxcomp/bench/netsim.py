@@ -47,10 +47,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Union
 
-from jaxcomp.collectives.wire import collective_bytes
+from jaxcomp.collectives import hlo
 
 ALGORITHMS = ("ring", "tree")
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = hlo.KINDS
 
 
 def gbit(gbps: float) -> float:
@@ -296,13 +296,7 @@ Traffic = Union[Mapping[str, float], Sequence[tuple[str, float]]]  # noqa: UP007
 
 def collectives(hlo_text: str) -> list[tuple[str, int]]:
   """One ``(kind, bytes per worker)`` entry per collective instruction of an HLO module."""
-  out = []
-  for line in hlo_text.splitlines():
-    b = collective_bytes(line)
-    if b["count"]:
-      kind = next((k for k in KINDS if b[k]), None) or next(k for k in KINDS if k in line)
-      out.append((kind, b["total"]))
-  return out
+  return [(c.kind, int(c.sent_bytes)) for c in hlo.collectives(hlo_text)]
 
 
 def _entries(traffic: Traffic) -> list[tuple[str, float]]:

@@ -20,11 +20,7 @@ from jax import lax
 
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import Axis
-
-try:  # JAX >= 0.6: Varying -> Invariant gather; not yet exported from jax.lax.
-  from jax._src.lax.parallel import all_gather_invariant as _gather_invariant
-except ImportError:  # pragma: no cover - older or newer JAX without it
-  _gather_invariant = None
+from jaxcomp.compat import gather_invariant as _gather_invariant
 
 _PLAIN_GATHER = contextvars.ContextVar("jaxcomp_plain_gather", default=False)
 

@@ -5,49 +5,17 @@
 sums, per collective, the bytes that one participant contributes: the operand
 of an all-reduce, all-gather, reduce-scatter, all-to-all or
 collective-permute. Compiled HLO prints operands by name only, so operand
-bytes are derived from the result shape and the replica-group size.
+bytes are derived from the result shape and the replica-group size, both read
+by :mod:`jaxcomp.collectives.hlo` (every replica-group form XLA prints).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Dict
 
-import numpy as np
+from jaxcomp.collectives import hlo
 
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-    "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5,
-}
-_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-        "collective-permute")
-_INSTR = re.compile(
-    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\(")
-_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9]+),([0-9]+)\]")
-
-
-def _array_bytes(text: str) -> list:
-  out = []
-  for dtype, dims in _ARRAY.findall(text):
-    if dtype not in _DTYPE_BYTES:
-      continue
-    size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-    out.append(size * _DTYPE_BYTES[dtype])
-  return out
-
-
-def _group_size(line: str) -> int:
-  m = _GROUPS_LIST.search(line)
-  if m:
-    return len([t for t in m.group(1).split(",") if t])
-  m = _GROUPS_IOTA.search(line)
-  if m:
-    return int(m.group(2))
-  return 1
+_OPS = hlo.KINDS
 
 
 def received_bytes(kind: str, nbytes: float, group: int) -> float:
@@ -86,25 +54,14 @@ def collective_bytes(hlo_text: str) -> Dict[str, Any]:
   """
   out: Dict[str, Any] = {op: 0 for op in _OPS}
   by_group: Dict[int, float] = {}
-  count, received = 0, 0.0
-  for line in hlo_text.splitlines():
-    m = _INSTR.search(line)
-    if not m:
-      continue
-    op, shape = m.group("op"), m.group("shape")
-    sizes = _array_bytes(shape)
-    if m.group("start") and op in ("all-gather", "collective-permute") and len(sizes) > 1:
-      sizes = sizes[len(sizes) // 2:]  # (operands..., results...)
-    nbytes = sum(sizes)
-    g = _group_size(line)
-    if op == "all-gather":
-      nbytes = nbytes / g
-    elif op == "reduce-scatter":
-      nbytes = nbytes * g
-    out[op] += nbytes
-    received += received_bytes(op, nbytes, g)
+  found = hlo.collectives(hlo_text)
+  received = 0.0
+  for c in found:
+    nbytes, g = c.sent_bytes, c.group_size
+    out[c.kind] += nbytes
+    received += received_bytes(c.kind, nbytes, g)
     by_group[g] = by_group.get(g, 0) + nbytes
-    count += 1
+  count = len(found)
   out = {k: int(v) for k, v in out.items()}
   out["total"] = sum(out[op] for op in _OPS)
   out["count"] = count
