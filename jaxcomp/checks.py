@@ -8,6 +8,7 @@ answer).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import jax
@@ -66,13 +67,24 @@ def settings(method: Method, axis_name: AxisName, seed: int, bucket_bytes, min_s
   return Settings(method, axis_name, dense_axis_name, int(seed))
 
 
+def _is_variable(x) -> bool:
+  """A Flax NNX Variable (``nnx.Param``...): a box around one array, not a level of the tree.
+
+  ``nnx.Optimizer`` calls ``tx.init`` on the model's Variables and ``tx.update``
+  on plain arrays; both name the same leaves. flax is looked up, not imported.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(x, nnx.Variable)
+
+
 def signature(tree) -> tuple:
   """(key path, shape) of every leaf: what tx.init saw, checked by tx.update.
 
-  Not the treedef: a dict and a FrozenDict with the same keys agree.
+  Not the treedef: a dict and a FrozenDict with the same keys agree, and a
+  Flax NNX Variable is the array it holds.
   """
-  return tuple((jax.tree_util.keystr(p), tuple(np.shape(x)))
-               for p, x in jax.tree_util.tree_flatten_with_path(tree)[0])
+  return tuple((jax.tree_util.keystr(p), tuple(np.shape(x[...] if _is_variable(x) else x)))
+               for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0])
 
 
 def remember(signatures: list, tree) -> bool:

@@ -12,7 +12,8 @@ inside one ``shard_map`` over every mesh axis:
 3. :func:`reduce_scatter_mean`: each gradient leaf summed over the fast data
    axes and scattered back to the device's shard (a reduce-scatter over the
    spec's axes, an all-reduce over the fast axes it does not name), divided
-   by their size: the fast axes' mean of the shard;
+   by their size: the fast axes' mean of the shard (a spec axis that splits
+   no batch held equal copies: divided by its size too);
 4. the optax chain on shards: the jaxcomp transform averages the shard over
    its slow ``axis_name`` (compressed), the optimizer's state and jaxcomp's
    state are those of the shard (1/fsdp of a replicated run's per device).
@@ -89,7 +90,13 @@ def reduce_scatter_mean(grads: Any, specs: Any, fast: Sequence[str], mesh: Mesh)
     rest = tuple(a for a in fast if a not in spec_axes(spec))
     if rest:
       g = lax.psum(g, rest)
-    return g / size if size > 1 else g
+    # Axes the spec shards over but the batch does not split (a "tensor" axis beside data axes
+    # ("dcn", "fsdp")) hold the same gradient on each of their devices: the reduce-scatter summed
+    # that many copies.
+    copies = 1
+    for a in spec_axes(spec):
+      copies *= 1 if a in fast else mesh.shape[a]
+    return g / (size * copies) if size * copies > 1 else g
 
   return jax.tree.map(one, grads, specs)
 
@@ -97,3 +104,15 @@ def reduce_scatter_mean(grads: Any, specs: Any, fast: Sequence[str], mesh: Mesh)
 def shardings(specs: Any, mesh: Mesh) -> Any:
   """A ``NamedSharding`` per leaf of ``specs``."""
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_shape(shape: tuple, spec: P, mesh: Mesh) -> tuple:
+  """The shape of one device's shard of an array of ``shape`` laid out as ``spec`` over ``mesh``."""
+  out = list(shape)
+  for dim, entry in enumerate(spec):
+    for a in (entry if isinstance(entry, tuple) else (entry,)) if entry is not None else ():
+      if out[dim] % mesh.shape[a]:
+        raise ValueError(f"param_specs: {spec} splits a dimension of {out[dim]} entries (shape"
+                         f" {tuple(shape)}) over {a!r} of size {mesh.shape[a]}, which does not divide it")
+      out[dim] //= mesh.shape[a]
+  return tuple(out)
