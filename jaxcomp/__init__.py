@@ -17,6 +17,7 @@ from jaxcomp.method import Method
 from jaxcomp.optimizers.demo import demo
 from jaxcomp.optimizers.onebit_adam import onebit_adam, scale_by_onebit_adam
 from jaxcomp.optimizers.zero_one_adam import zero_one_adam
+from jaxcomp.own_step import on_shards, per_slice
 from jaxcomp.parallel import DataParallel, data_parallel
 from jaxcomp.protocol import CompressState
 from jaxcomp.rebuild import configure, staged, steady
@@ -93,6 +94,8 @@ __all__ = [
     "checkpoint",
     "cpu_devices",
     "data_parallel",
+    "on_shards",
+    "per_slice",
     "local",
     "per_worker",
     "stacked",

@@ -1,0 +1,195 @@
+"""Two building blocks for a training step the user keeps: :func:`per_slice` and :func:`on_shards`.
+
+A MaxText- or Levanter-style step is one ``jax.jit`` over a mesh whose fast
+axes ("fsdp", "tensor", ...) GSPMD shards the model over, and whose slow axis
+("dcn": slices, hosts, data centres) is where compression pays. The two
+blocks put jaxcomp on the slow axis alone and leave the rest to GSPMD::
+
+    grad_fn = jaxcomp.per_slice(jax.value_and_grad(loss_fn), mesh, "dcn")
+    tx = jaxcomp.on_shards(optax.chain(jaxcomp.topk(axis_name="dcn"), optax.sgd(0.1)),
+                           mesh, param_specs, "dcn")
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+      loss, grads = grad_fn(params, batch)             # one gradient per slice, GSPMD inside
+      updates, opt_state = tx.update(grads, opt_state, params)  # compressed mean over "dcn"
+      return optax.apply_updates(params, updates), opt_state, loss.mean()
+
+- :func:`per_slice` runs ``fn`` once per slice of the slow axis
+  (``jax.vmap`` with ``spmd_axis_name``, as drjax does): inside, GSPMD splits
+  the compute over every other axis (tensor parallelism stays real, activation
+  constraints naming "data" or "tensor" hold), and nothing crosses the slow
+  axis; every output gains a leading slice axis sharded over it (the gradients
+  are not reduced over it).
+- :func:`on_shards` runs an optax chain holding a jaxcomp transform over the
+  slow axis on each device's shards (``shard_map``, manual over every axis):
+  each device compresses its own shard of its slice's gradient, so the slow
+  axis carries the payload of the device's shards and the state is the size
+  of those shards.
+
+Neither gathers a parameter: a weight sharded over "tensor" stays sharded in
+the loss (GSPMD's choice) and in the update (the device's shard).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, Union
+
+import jax
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import sharded
+from jaxcomp.compat import use_mesh
+from jaxcomp.sharding import local, stacked
+from jaxcomp.transformation import compressor
+
+AxisArg = Union[str, Sequence[str]]
+
+
+def _slow_axes(mesh: Mesh, axis_name: AxisArg, what: str) -> tuple:
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"{what}: mesh must be a jax.sharding.Mesh, got mesh={mesh!r}")
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name or ())
+  unknown = [a for a in names if a not in mesh.axis_names]
+  if not names or unknown:
+    raise ValueError(f"{what}: axis_name must name axes of the mesh {tuple(mesh.axis_names)},"
+                     f" got axis_name={axis_name!r}")
+  return names
+
+
+def _slices(mesh: Mesh, names: tuple) -> int:
+  n = 1
+  for a in names:
+    n *= mesh.shape[a]
+  return n
+
+
+def per_slice(fn: Callable, mesh: Mesh, axis_name: AxisArg, batch_argnums: Union[int, Sequence[int]] = 1
+              ) -> Callable:
+  """``fn`` run once per slice of the slow axis ``axis_name``, GSPMD over every other mesh axis.
+
+  Args:
+    fn: e.g. ``jax.value_and_grad(loss_fn)`` (``has_aux`` too): its arguments
+      are the parameters (as the user's GSPMD shardings place them) and a
+      batch; it sees one slice's rows.
+    mesh: the ``jax.sharding.Mesh`` (axis types Auto) the step runs on.
+    axis_name: the slow mesh axis (or a tuple of them).
+    batch_argnums: the positional arguments that are batches: each leaf's
+      leading axis holds every slice's rows, slice by slice (the layout of a
+      batch sharded over ``(axis_name, ...)``); the others are passed whole to
+      every slice.
+
+  Returns:
+    A function with ``fn``'s arguments whose every output has a leading axis
+    of one entry per slice, sharded over ``axis_name``: the gradients of each
+    slice's rows, not reduced over the slow axis. Call it inside ``jax.jit``.
+  """
+  names = _slow_axes(mesh, axis_name, "per_slice")
+  argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+  n = _slices(mesh, names)
+  spmd = names[0] if len(names) == 1 else names
+
+  def run(*args):
+    for i in argnums:
+      if i >= len(args):
+        raise ValueError(f"per_slice: batch_argnums={batch_argnums!r} names argument {i}, but fn got"
+                         f" {len(args)} arguments")
+    split = list(args)
+    for i in argnums:
+      split[i] = jax.tree_util.tree_map_with_path(lambda path, x, i=i: _split_rows(x, n, i, path), args[i])
+    in_axes = tuple(0 if i in argnums else None for i in range(len(args)))
+    with use_mesh(mesh):
+      return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=spmd)(*split)
+
+  return run
+
+
+def _split_rows(x, n: int, i: int, path) -> jax.Array:
+  rows = x.shape[0] if getattr(x, "ndim", 0) else None
+  if rows is None or rows % n:
+    raise ValueError(f"per_slice: batch argument {i} leaf {jax.tree_util.keystr(path)} has shape"
+                     f" {getattr(x, 'shape', ())}; its leading axis (rows) must divide into {n} slices")
+  return x.reshape((n, rows // n) + tuple(x.shape[1:]))
+
+
+def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, axis_name: AxisArg
+              ) -> optax.GradientTransformation:
+  """``tx`` run on each device's shards, its jaxcomp transform averaging them over ``axis_name``.
+
+  Args:
+    tx: an optax transformation holding one jaxcomp transform built with
+      ``axis_name`` (the slow axis; no ``dense_axis_name``). The rest of the
+      chain runs on shards: elementwise transformations (sgd, momentum, adam,
+      weight decay) are exact; one that reads the whole gradient
+      (``clip_by_global_norm``) would see a shard, so apply it before.
+    mesh: the mesh of :func:`per_slice`.
+    param_specs: a pytree like the parameters of ``PartitionSpec`` (or
+      ``NamedSharding``, or None for replicated), naming fast axes only.
+    axis_name: the slow axis, as given to :func:`per_slice`.
+
+  Returns:
+    An ``optax.GradientTransformation``. ``init(params)`` (jit-able) gives
+    the state with one block per device (a leading axis over every mesh axis:
+    error feedback differs between devices). ``update(grads, state, params)``
+    takes the per-slice gradients of :func:`per_slice` (a leading slice axis)
+    and returns updates laid out as the parameters, the same on every slice.
+  """
+  names = _slow_axes(mesh, axis_name, "on_shards")
+  every = P(tuple(mesh.axis_names))
+  n = _slices(mesh, names)
+  slow = names[0] if len(names) == 1 else names
+
+  def specs_for(params):
+    specs = sharded.normalize(param_specs, mesh, names)
+    if jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)) != jax.tree.structure(params):
+      raise ValueError("on_shards: param_specs must be a tree like the parameters (a PartitionSpec,"
+                       f" NamedSharding or None per leaf); got {jax.tree.structure(param_specs)} for"
+                       f" parameters {jax.tree.structure(params)}")
+    return specs
+
+  def init(params):
+    specs = specs_for(params)
+    _check_compressor(tx, mesh, names, specs, params)
+    return jax.shard_map(lambda p: stacked(tx.init(p)), mesh=mesh, in_specs=(specs,), out_specs=every,
+                         check_vma=False)(params)
+
+  def update(grads, state, params=None):
+    specs = specs_for(grads if params is None else params)
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+      if not getattr(g, "ndim", 0) or g.shape[0] != n:
+        raise ValueError(
+            f"on_shards: gradient leaf {jax.tree_util.keystr(path)} has shape {getattr(g, 'shape', ())};"
+            f" update takes per-slice gradients with a leading axis of {n} (one per slice of"
+            f" {slow!r}), as jaxcomp.per_slice returns them")
+    per_slice_specs = jax.tree.map(lambda s: P(slow, *s), specs, is_leaf=lambda s: isinstance(s, P))
+
+    def one_device(g, s, p):
+      u, s = tx.update(jax.tree.map(lambda x: x[0], g), local(s), p)
+      return u, stacked(s)
+
+    if params is None:
+      return jax.shard_map(lambda g, s: one_device(g, s, None), mesh=mesh, in_specs=(per_slice_specs, every),
+                           out_specs=(specs, every), check_vma=False)(grads, state)
+    # The updates are bit-identical on every slice (jaxcomp's mean), which JAX cannot prove of a
+    # per-device state: hence check_vma=False.
+    return jax.shard_map(one_device, mesh=mesh, in_specs=(per_slice_specs, every, specs),
+                         out_specs=(specs, every), check_vma=False)(grads, state, params)
+
+  return optax.GradientTransformation(init, update)
+
+
+def _check_compressor(tx, mesh: Mesh, names: tuple, specs, params) -> None:
+  """The jaxcomp transform of ``tx`` averages over the slow axis alone."""
+  local_shapes = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(sharded.shard_shape(x.shape, s, mesh), x.dtype), params, specs,
+      is_leaf=lambda s: isinstance(s, P))
+  inner = compressor(tx, local_shapes)
+  got = inner.axis_name if isinstance(inner.axis_name, tuple) else (inner.axis_name,)
+  if tuple(got) != names or inner.dense_axis_name is not None:
+    want = names[0] if len(names) == 1 else names
+    raise ValueError(
+        f"on_shards: tx's jaxcomp transform has axis_name={inner.axis_name!r},"
+        f" dense_axis_name={inner.dense_axis_name!r}; build it with axis_name={want!r}"
+        " (the slow axis) alone: the fast axes are summed by GSPMD inside per_slice")
