@@ -149,12 +149,12 @@ def _report_bytes(args, tx, params, dp, state, batch, mesh) -> dict:
   measured = by_axes.get(compressed_over, 0)
   what = "each device's whole parameters" if args.replicated else "each device's shards"
   print(f"bytes per device per step over {'+'.join(compressed_over)} ({args.method}): {measured:,} measured"
-        f" in the HLO{' (with the loss mean, 4)' if args.replicated else ''}"
+        " in the HLO (with the loss's mean, 4)"
         f"{' (both stages of the recipe)' if args.recipe else ''}, jaxcomp.wire_bytes of {what}"
         f" {nominal:,}, dense {dense:,}"
         f" ({dense / max(nominal, 1):.1f}x fewer)")
   fast = ", ".join(f"{'+'.join(a) or 'none'} {b:,}" for a, b in by_axes.items() if a != compressed_over)
-  print(f"  other collectives (dense, fast axes; the loss's mean over all): {fast or 'none'}")
+  print(f"  other collectives (dense, fast axes): {fast or 'none'}")
   return {"measured_bytes": measured, "wire_bytes": nominal, "dense_bytes": dense,
           "bytes_by_axes": by_axes}
 

@@ -10,8 +10,10 @@ dense_axis_name="ici"``), in one process or in several (the mesh then spans
 every process's devices; each process passes the rows of its own devices).
 
 With ``param_specs`` the parameters stay sharded over the fast axes they name
-(FSDP, tensor axes) and jaxcomp compresses over its slow ``axis_name`` only
-(:mod:`jaxcomp.sharded`).
+(FSDP, tensor axes) and jaxcomp compresses over its slow ``axis_name`` only: the
+step is the user-owned one of :mod:`jaxcomp.own_step` (the loss per slice under
+GSPMD, so a "tensor" axis splits compute and activations; the chain on each
+device's shards).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -28,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import sharded
 from jaxcomp.collectives.axis import axis_names
 from jaxcomp.diloco import DiLoCoState
+from jaxcomp.own_step import on_shards, per_slice
 from jaxcomp.sharding import local, stacked
 from jaxcomp.transformation import compressor
 
@@ -70,8 +74,11 @@ def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransform
       ``NamedSharding``; ``nnx.get_partition_spec``'s output as it is) naming
       mesh axes other than the compressed one: each device keeps its shard of
       the parameters, of the optimizer state and of jaxcomp's state, and the
-      compressed exchange moves shards (:mod:`jaxcomp.sharded`). The batch is
-      still split over every axis of ``axes``. None: parameters replicated.
+      compressed exchange moves shards. The batch is still split over every
+      axis of ``axes``, which must include the compressed axis; the loss runs
+      once per slice of that axis on all of the slice's rows, under GSPMD
+      (:func:`jaxcomp.per_slice`; a sharding constraint inside it may not name
+      the compressed axis). None: parameters replicated.
 
   With :func:`jaxcomp.diloco` (or sparseloco) in ``tx`` the replicas differ
   between syncs: the parameters are kept per worker of the axis DiLoCo syncs
@@ -127,7 +134,7 @@ def _replicated(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool) -> DataParal
     if has_local_steps(tx, mesh, jax.tree.map(lambda _: P(), params), params):
       # Replicas that differ between syncs: the sharded step with every parameter whole keeps one
       # copy per worker over the slow axis.
-      delegate["dp"] = _sharded(loss_fn, tx, mesh, axes, donate, jax.tree.map(lambda _: P(), params))
+      delegate["dp"] = _sharded_replicas(loss_fn, tx, mesh, axes, donate, jax.tree.map(lambda _: P(), params))
       return delegate["dp"].init(params)
     # From host copies: the step donates its parameters, and the caller's arrays must survive it.
     params = jax.device_put(jax.tree.map(np.asarray, params), replicated)
@@ -160,7 +167,71 @@ def has_local_steps(tx: optax.GradientTransformation, mesh: Mesh, specs: Any, pa
 
 
 def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) -> DataParallel:
-  """:func:`data_parallel` with parameters sharded as ``param_specs`` say (see :mod:`jaxcomp.sharded`)."""
+  """:func:`data_parallel` with parameters sharded as ``param_specs`` say: the user-owned step's blocks.
+
+  The loss and its gradient per slice of the compressed axis under GSPMD (:func:`jaxcomp.per_slice`:
+  a "tensor" axis splits compute and activations, no weight is gathered), then ``tx`` on each
+  device's shards (:func:`jaxcomp.on_shards`). Replicas that differ between syncs (DiLoCo) keep the
+  shard_map step of :func:`_sharded_replicas`.
+  """
+  found: dict = {}
+
+  def init(params):
+    inner = compressor(tx, params)
+    slow = axis_names(inner.axis_name)
+    specs = sharded.normalize(param_specs, mesh, slow)
+    if has_local_steps(tx, mesh, specs, params):
+      found["dp"] = _sharded_replicas(loss_fn, tx, mesh, axes, donate, param_specs)
+      return found["dp"].init(params)
+    missing = [a for a in slow if a not in axes]
+    if missing:
+      raise ValueError(f"axes={axes!r} must include the axis the jaxcomp transform compresses over"
+                       f" ({missing}): each of its slices computes the gradient of its own rows")
+    # Rows slice by slice (the compressed axis first): per_slice's split moves no row.
+    found["rows"] = NamedSharding(mesh, P(tuple(slow) + tuple(a for a in axes if a not in slow)))
+    on = on_shards(tx, mesh, specs, slow)
+    grad_fn = per_slice(jax.value_and_grad(loss_fn), mesh, slow)
+
+    def step(params, opt_state, batch):
+      loss, grads = grad_fn(params, batch)
+      updates, opt_state = on.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, jnp.mean(loss)
+
+    found["step"] = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    # From host copies (the step donates its parameters), each process placing its own shards; then
+    # through a program whose out_specs are the step's, so they carry the shardings the step returns
+    # (P("fsdp") for P("fsdp", None)), as a checkpoint restored into init's output does.
+    params = jax.device_put(jax.tree.map(np.asarray, params), sharded.shardings(specs, mesh))
+    params = jax.jit(jax.shard_map(lambda p: p, mesh=mesh, in_specs=(specs,), out_specs=specs),
+                     donate_argnums=0)(params)
+    return params, jax.jit(on.init)(params)
+
+  def placed(batch):
+    rows = found["rows"]
+    if jax.process_count() > 1:  # this process's rows -> one global batch
+      return jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
+    return jax.device_put(batch, rows)
+
+  def run(params, opt_state, batch):
+    if "dp" in found:
+      return found["dp"].step(params, opt_state, batch)
+    if "step" not in found:
+      raise ValueError("call init(params) before step: init checks param_specs against the parameters")
+    return found["step"](params, opt_state, placed(batch))
+
+  def lower(params, opt_state, batch):
+    if "dp" in found:
+      return found["dp"].lower(params, opt_state, batch)
+    if "step" not in found:
+      raise ValueError("call init(params) before lower: init checks param_specs against the parameters")
+    return found["step"].lower(params, opt_state, placed(batch))
+
+  return DataParallel(init, run, axes, lower)
+
+
+def _sharded_replicas(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) -> DataParallel:
+  """:func:`data_parallel` with parameters sharded as ``param_specs`` say, in one shard_map over every
+  axis (see :mod:`jaxcomp.sharded`): the step of replicas that differ between syncs (DiLoCo)."""
   every = P(tuple(mesh.axis_names))  # the states: one block per device
   rows = P(axes)
   found: dict = {}

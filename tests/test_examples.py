@@ -158,7 +158,7 @@ def _train_fsdp():
 def test_train_fsdp_topk_learns_keeps_shardings_and_sends_wire_bytes_over_dcn():
   """(dcn=2, fsdp=2, tensor=2): topk over dcn learns, the parameters stay sharded as
   nnx.with_partitioning says (main checks it), and the step's collectives over dcn alone are
-  exactly jaxcomp.wire_bytes of one device's shards (nothing dense crosses dcn).
+  exactly jaxcomp.wire_bytes of one device's shards (nothing dense crosses dcn but the loss's mean).
   """
   example = _train_fsdp()
   got = example.main(["--method", "topk", "--steps", "5", "--batch", "2", "--no-progress"])
@@ -169,7 +169,7 @@ def test_train_fsdp_topk_learns_keeps_shardings_and_sends_wire_bytes_over_dcn():
   assert {s.data.shape for s in kernel.addressable_shards} == {(32, 128)}
   # from log(vocab) ~ 4.68: 5 AdamW steps on 1% of the entries (error feedback) reach ~4.30
   assert got["held_out"] < got["initial_held_out"] - 0.2, (got["initial_held_out"], got["held_out"])
-  assert got["measured_bytes"] == got["wire_bytes"] > 0, got["bytes_by_axes"]
+  assert got["measured_bytes"] == got["wire_bytes"] + 4 > 4, got["bytes_by_axes"]  # + the loss's mean
   assert got["wire_bytes"] * 10 < got["dense_bytes"]
   assert set(got["bytes_by_axes"]) >= {("fsdp",), ("tensor",)}  # the fast axes carry the dense traffic
 

@@ -92,6 +92,10 @@ def test_mesh_forms_sub_axes_device_ids_and_names():
   # devices laid out in another order
   got = r("replica_groups=mesh['a'=2,'b'=2], device_ids=([2,2]<=[2,2]T(1,0)) {'b'}")
   assert got.tolist() == [[0, 2], [1, 3]]
+  # jax 0.10's XLA, in a GSPMD step under vmap's spmd_axis_name (examples/train_fsdp.py's mesh)
+  got = r("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'},"
+          " dimensions={0}, use_global_device_ids=true")
+  assert got.tolist() == [[0, 2], [1, 3], [4, 6], [5, 7]]
   got = r("replica_groups=mesh['a'=2,'b'=2], device_ids=(3,2,1,0) {'a'}")
   assert got.tolist() == [[3, 1], [2, 0]]
   assert r("replica_groups=maximal_mesh[device_id=3] {}").tolist() == [[3]]

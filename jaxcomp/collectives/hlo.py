@@ -170,8 +170,15 @@ def _mesh_groups(line: str, m: re.Match) -> np.ndarray:
   devices = np.arange(int(np.prod(sizes)), dtype=np.int64)
   if rest.startswith(", device_ids=("):
     body, rest = _balanced(rest[len(", device_ids="):])
-    iota = re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", body.strip())
-    devices = _iota(iota.group(2), iota.group(3)) if iota else np.array(re.findall(r"[0-9]+", body), np.int64)
+    # a tile assignment: "[dims]<=[reshape]T(perm)", "[reshape]T(perm)" (jax 0.10's XLA), or the ids
+    iota = re.fullmatch(r"\[([0-9,]+)\](?:<=\[([0-9,]+)\])?(?:T\(([0-9,]+)\))?", body.strip())
+    if iota:
+      devices = _iota(iota.group(2) or iota.group(1), iota.group(3))
+    else:
+      devices = np.array(re.findall(r"[0-9]+", body), np.int64)
+    if devices.size != int(np.prod(sizes)):
+      raise ValueError(f"mesh {m.group(0)} with device_ids=({body}): {devices.size} ids for"
+                       f" {int(np.prod(sizes))} devices")
   devices = devices.reshape(sizes)
   axes = re.match(r"\s*\{([^}]*)\}", rest)
   if axes is None:
