@@ -77,6 +77,13 @@ def _is_variable(x) -> bool:
   return nnx is not None and isinstance(x, nnx.Variable)
 
 
+def unbox(tree):
+  """``tree`` with every Flax NNX Variable replaced by what it holds (None stays None)."""
+  if tree is None or not any(_is_variable(x) for x in jax.tree.leaves(tree, is_leaf=_is_variable)):
+    return tree
+  return jax.tree.map(lambda x: x.get_value() if _is_variable(x) else x, tree, is_leaf=_is_variable)
+
+
 def signature(tree) -> tuple:
   """(key path, shape) of every leaf: what tx.init saw, checked by tx.update.
 

@@ -41,6 +41,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import sharded
+from jaxcomp.checks import unbox
 from jaxcomp.compat import use_mesh
 from jaxcomp.sharding import local, stacked
 from jaxcomp.transformation import compressor
@@ -126,7 +127,8 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
       (``clip_by_global_norm``) would see a shard, so apply it before.
     mesh: the mesh of :func:`per_slice`.
     param_specs: a pytree like the parameters of ``PartitionSpec`` (or
-      ``NamedSharding``, or None for replicated), naming fast axes only.
+      ``NamedSharding``, or None for replicated), naming fast axes only;
+      ``nnx.get_partition_spec``'s output as it is.
     axis_name: the slow axis, as given to :func:`per_slice`.
 
   Returns:
@@ -142,7 +144,7 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
   slow = names[0] if len(names) == 1 else names
 
   def specs_for(params):
-    specs = sharded.normalize(param_specs, mesh, names)
+    specs = sharded.normalize(unbox(param_specs), mesh, names)
     if jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)) != jax.tree.structure(params):
       raise ValueError("on_shards: param_specs must be a tree like the parameters (a PartitionSpec,"
                        f" NamedSharding or None per leaf); got {jax.tree.structure(param_specs)} for"
@@ -150,12 +152,14 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
     return specs
 
   def init(params):
+    params = unbox(params)  # nnx.Optimizer hands init the model's Variables
     specs = specs_for(params)
     _check_compressor(tx, mesh, names, specs, params)
     return jax.shard_map(lambda p: stacked(tx.init(p)), mesh=mesh, in_specs=(specs,), out_specs=every,
                          check_vma=False)(params)
 
   def update(grads, state, params=None):
+    grads, params = unbox(grads), unbox(params)
     specs = specs_for(grads if params is None else params)
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
       if not getattr(g, "ndim", 0) or g.shape[0] != n:
