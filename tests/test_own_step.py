@@ -154,3 +154,16 @@ def test_errors_name_the_argument(mesh):
   grad_fn = jaxcomp.per_slice(jax.grad(_loss), mesh, "dcn")
   with pytest.raises(ValueError, match="must divide into 2 slices"):
     jax.jit(grad_fn)(params, (jnp.ones((3, D)), jnp.ones((3, D))))
+
+
+def test_the_documented_step_runs_as_written():
+  """docs/own-step.md's first code block, run as it is."""
+  import pathlib
+  import re
+
+  text = (pathlib.Path(__file__).parent.parent / "docs" / "own-step.md").read_text()
+  code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+  scope: dict = {}
+  exec(compile(code, "docs/own-step.md", "exec"), scope)
+  assert np.isfinite(float(scope["loss"]))
+  assert scope["params"]["w_in"].sharding.spec == P("fsdp", "tensor")
