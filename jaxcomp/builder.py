@@ -158,7 +158,7 @@ def _update(tx: CompressionTransformation, updates, state, params=None):
   s = tx.settings
   method = s.method
   finite.check_guarded(s.axis_name, s.dense_axis_name)
-  leaves, treedef = checks.update_inputs(updates, state, tx.signatures)
+  leaves, treedef = checks.update_inputs(updates, state, tx.signatures, s.axis_name)
   full = method.buckets(updates)
   if method.stages:
     method.check_stages(updates, full)

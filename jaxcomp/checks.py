@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxcomp import scatter
 from jaxcomp.collectives.axis import AxisName, axis_names, check_axis_name
+from jaxcomp.compat import varying_axes
 from jaxcomp.method import Method
 from jaxcomp.protocol import CompressState
 from jaxcomp.transformation import Settings
@@ -161,7 +162,7 @@ def check_leaves(leaves, paths):
           " optax.multi_transform.")
 
 
-def update_inputs(updates: Any, state: Any, signatures: list):
+def update_inputs(updates: Any, state: Any, signatures: list, axis_name: Any = None):
   """The checks of ``tx.update``'s arguments; returns the gradient leaves and their treedef."""
   if not isinstance(state, CompressState):
     raise TypeError(f"state must be the CompressState from tx.init, got {type(state).__name__}")
@@ -170,7 +171,29 @@ def update_inputs(updates: Any, state: Any, signatures: list):
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
   leaves = [leaf for _, leaf in paths_leaves]
   check_leaves(leaves, [p for p, _ in paths_leaves])
+  check_not_reduced(paths_leaves, state, axis_name)
   return leaves, treedef
+
+
+def check_not_reduced(paths_leaves, state, axis_name) -> None:
+  """Under ``shard_map(check_vma=True)``: no gradient leaf typed invariant over the compressed axis.
+
+  There the per-worker state is typed varying over it; a gradient that is not was summed over it
+  already (JAX sums the gradient of a parameter passed with ``in_specs=P()`` over the manual axes),
+  and averaging those sums would scale every update by the number of workers, silently.
+  """
+  names = set(axis_names(axis_name) if axis_name is not None else ())
+  if not names or not any(names & varying_axes(x) for x in jax.tree.leaves(state.memory) + [state.count]):
+    return
+  for path, leaf in paths_leaves:
+    missing = names - varying_axes(leaf)
+    if missing:
+      raise ValueError(
+          f"updates: leaf {jax.tree_util.keystr(path)} is the same on every worker of {sorted(missing)}"
+          " (typed invariant under shard_map(check_vma=True)): it was summed over that axis before"
+          " tx.update, as JAX does for the gradient of a parameter passed with in_specs=P(), and"
+          " jaxcomp's mean of those sums would scale the update by the number of workers. Pass"
+          " check_vma=False to jax.shard_map, or compute per-worker gradients with jaxcomp.per_slice.")
 
 
 def check_state(method: Method, state, buckets, treedef):

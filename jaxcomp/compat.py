@@ -4,6 +4,7 @@ Tested on jax 0.10 (Python 3.11) and jax 0.12 (Python 3.12); the rest of the
 package imports what differs from here, never checks a version itself.
 
 - ``use_mesh(mesh)``: the mesh in context for sharding annotations, inside ``jax.jit`` too.
+- ``varying_axes(x)``: the manual axes ``x`` is typed varying over (``check_vma=True``).
 - ``gather_invariant(x, axis_name)``: the all-gather whose result is typed
   invariant over ``axis_name`` (the same on every worker), so a mean decoded
   from it can leave ``shard_map(check_vma=True)`` with ``out_specs=P()``.
@@ -47,3 +48,16 @@ def use_mesh(mesh):
   if jax.sharding.get_abstract_mesh() == abstract:
     return contextlib.nullcontext()
   return jax.sharding.use_abstract_mesh(abstract)
+
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes over which ``x`` is typed varying (under ``shard_map(check_vma=True)``;
+  empty elsewhere, or where this JAX does not track it): ``jax.typeof(x).mat.varying``."""
+  import jax
+
+  try:
+    aval = jax.typeof(x)
+  except TypeError:  # not a JAX value
+    return frozenset()
+  mat = getattr(aval, "mat", None)
+  return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())

@@ -32,10 +32,12 @@ most of a step's bytes would travel dense under the policy.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import warnings
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Callable, Iterator, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,8 @@ import numpy as np
 from jax import lax
 
 BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default bucket (25 MiB)
+_WHOLE = contextvars.ContextVar("jaxcomp_whole_leaves", default=None)
+
 MIN_SIZE = 1024  # entries; smaller leaves travel dense (the default; see README "Buckets")
 EVERY_LEAF = 0  # the sparsifiers' and SBC's default min_size: every leaf compressed
 ROW = 128  # every segment starts at a multiple of ROW entries and is zero-padded to one
@@ -322,6 +326,26 @@ def dense_flags(mask: Any, updates: Any) -> list | None:
 
 
 DENSE_SHARE_WARNING = 0.5  # init warns when the policy's dense leaves carry more than this share of the bytes
+
+
+@contextlib.contextmanager
+def whole_leaves(sizes: dict) -> Iterator[None]:
+  """Within the block (at trace time), the leaf policy judges each leaf by ``sizes[keystr(path)]``,
+  the entries of the whole leaf, not by the shard a device holds (:func:`jaxcomp.on_shards`)."""
+  token = _WHOLE.set(dict(sizes))
+  try:
+    yield
+  finally:
+    _WHOLE.reset(token)
+
+
+def whole_sizes(updates: Any) -> tuple | None:
+  """Entries of each whole leaf of ``updates`` inside :func:`whole_leaves`; None outside it."""
+  whole = _WHOLE.get()
+  if whole is None:
+    return None
+  return tuple(whole.get(jax.tree_util.keystr(p), _prod(np.shape(x)))
+               for p, x in jax.tree_util.tree_flatten_with_path(updates)[0])
 
 
 def dense_share(method: Any, updates: Any, dense_exchange: Any) -> tuple:

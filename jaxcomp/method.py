@@ -59,6 +59,10 @@ class Method:
     flags = layout.dense_flags(self.dense, updates)
     min_size = layout.MIN_SIZE if self.min_size is None else self.min_size
     route = self.route if stage == 0 else self.stages[stage - 1][1]
+    whole = layout.whole_sizes(updates)  # on shards (jaxcomp.on_shards): the whole leaves' sizes
+    if whole is not None:  # the policy judges whole leaves: small ones marked dense, whatever the shard
+      flags = [bool(f) or w < min_size for f, w in zip(flags or [False] * len(leaves), whole)]
+      min_size = 0
     return _plan(route, self.bucket_bytes, tuple(tuple(np.shape(x)) for x in leaves),
                  None if flags is None else tuple(flags), min_size)
 

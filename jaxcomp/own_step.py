@@ -40,7 +40,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp import sharded
+from jaxcomp import layout, sharded
 from jaxcomp.checks import unbox
 from jaxcomp.compat import use_mesh
 from jaxcomp.sharding import local, stacked
@@ -155,8 +155,13 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
     params = unbox(params)  # nnx.Optimizer hands init the model's Variables
     specs = specs_for(params)
     _check_compressor(tx, mesh, names, specs, params)
-    return jax.shard_map(lambda p: stacked(tx.init(p)), mesh=mesh, in_specs=(specs,), out_specs=every,
-                         check_vma=False)(params)
+    whole = _whole_sizes(params)
+
+    def init_device(p):
+      with layout.whole_leaves(whole):
+        return stacked(tx.init(p))
+
+    return jax.shard_map(init_device, mesh=mesh, in_specs=(specs,), out_specs=every, check_vma=False)(params)
 
   def update(grads, state, params=None):
     grads, params = unbox(grads), unbox(params)
@@ -169,8 +174,11 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
             f" {slow!r}), as jaxcomp.per_slice returns them")
     per_slice_specs = jax.tree.map(lambda s: P(slow, *s), specs, is_leaf=lambda s: isinstance(s, P))
 
+    whole = _whole_sizes(grads, leading=1)
+
     def one_device(g, s, p):
-      u, s = tx.update(jax.tree.map(lambda x: x[0], g), local(s), p)
+      with layout.whole_leaves(whole):
+        u, s = tx.update(jax.tree.map(lambda x: x[0], g), local(s), p)
       return u, stacked(s)
 
     if params is None:
@@ -182,6 +190,18 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
                          out_specs=(specs, every), check_vma=False)(grads, state, params)
 
   return optax.GradientTransformation(init, update)
+
+
+def _whole_sizes(tree, leading: int = 0) -> dict:
+  """keystr(path) -> entries of each whole leaf (past ``leading`` slice axes): what the leaf policy
+  judges on shards, so a method compresses the same leaves sharded as replicated."""
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    n = 1
+    for d in tuple(x.shape)[leading:]:
+      n *= int(d)
+    out[jax.tree_util.keystr(path)] = n
+  return out
 
 
 def _check_compressor(tx, mesh: Mesh, names: tuple, specs, params) -> None:

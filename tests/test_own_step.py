@@ -167,3 +167,44 @@ def test_the_documented_step_runs_as_written():
   exec(compile(code, "docs/own-step.md", "exec"), scope)
   assert np.isfinite(float(scope["loss"]))
   assert scope["params"]["w_in"].sharding.spec == P("fsdp", "tensor")
+
+
+def test_gradients_summed_by_check_vma_are_refused(mesh):
+  """shard_map manual over the slow axis with check_vma=True: JAX sums the gradient of a parameter passed
+  with P() over it, and jaxcomp's mean of the sums would be N times the update: a clear error instead
+  (with check_vma=False the same step runs)."""
+  params = {"w": jnp.ones((16, 8)) / 16}
+  tx = optax.chain(jaxcomp.topk(ratio=0.25, axis_name="dcn"), optax.sgd(0.1))
+
+  def step(p, s, x):
+    g = jax.grad(lambda w: jnp.mean((x @ w["w"]) ** 2))(p)
+    u, s = tx.update(g, jaxcomp.local(s), p)
+    return optax.apply_updates(p, u), jaxcomp.stacked(s)
+
+  state = jaxcomp.per_worker(tx.init(params), mesh, "dcn")
+  x = jnp.ones((4, 16))
+  for check_vma in (True, False):
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("dcn"), P("dcn")), out_specs=(P(), P("dcn")),
+                              axis_names={"dcn"}, check_vma=check_vma))
+    if check_vma:
+      with pytest.raises(ValueError, match=r"same on every worker of \['dcn'\].*check_vma=False"):
+        f(params, state, x)
+    else:
+      assert np.isfinite(np.asarray(f(params, state, x)[0]["w"])).all()
+
+
+def test_the_leaf_policy_judges_whole_leaves_not_shards(mesh):
+  """min_size=300: b1 (512 entries, 256 per shard over "tensor") is compressed as in a replicated run,
+  b2 (128, replicated) travels dense; the bytes over dcn are those of that policy on the shards."""
+  method = jaxcomp.qsgd(axis_name="dcn", min_size=300)
+  tx, step = _own_step(mesh, method)
+  params = _sharded_params(mesh)
+  state = jax.jit(tx.init)(params)
+  text = step.lower(params, state, _batch(0, mesh)).compile().as_text()
+  over_dcn = hlo.bytes_by_axes(text, mesh)[("dcn",)] - 4  # less the loss's mean
+  shards = {k: jax.ShapeDtypeStruct(sharded.shard_shape(v.shape, SPECS[k], mesh), jnp.float32)
+            for k, v in _params().items()}
+  whole_policy = jaxcomp.qsgd(axis_name="dcn", min_size=0, dense={"w1": False, "b1": False, "w2": False,
+                                                                  "b2": True})
+  shard_policy = jaxcomp.qsgd(axis_name="dcn", min_size=300)  # b1's shard (256) would travel dense
+  assert over_dcn == jaxcomp.wire_bytes(whole_policy, shards) != jaxcomp.wire_bytes(shard_policy, shards)
