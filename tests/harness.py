@@ -261,3 +261,23 @@ def pmap_scan(tx, params, grads, n: int = N):
   """
   out = _scan_step(tx, n)(jaxcomp.per_worker(params, n), jaxcomp.per_worker(tx.init(params), n), grads)
   return jax.device_get(out)
+
+
+def plain_gspmd(loss_fn, params, specs, mesh, batches, lr: float = 0.1):
+  """The dense reference of a sharded step: plain optax SGD on each whole batch under GSPMD, the
+  parameters placed as ``specs`` say (a bare ``PartitionSpec`` in the loss resolves on ``mesh``)."""
+  from jax.sharding import NamedSharding
+
+  tx = optax.sgd(lr)
+  params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+  state = tx.init(params)
+
+  @jax.jit
+  def step(p, s, batch):
+    u, s = tx.update(jax.grad(loss_fn)(p, batch), s, p)
+    return optax.apply_updates(p, u), s
+
+  with jax.set_mesh(mesh):
+    for batch in batches:
+      params, state = step(params, state, batch)
+  return params

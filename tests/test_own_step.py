@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import plain_gspmd
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -67,25 +68,8 @@ def _own_step(mesh, method, lr=0.1):
   return tx, step
 
 
-def _dense(mesh, steps, lr=0.1):
-  tx = optax.sgd(lr)
-
-  @jax.jit
-  def step(params, state, batch):
-    grads = jax.grad(_loss)(params, batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  params = _sharded_params(mesh)
-  state = tx.init(params)
-  with jax.set_mesh(mesh):  # the loss's bare PartitionSpec constraint names the mesh's axes
-    for t in range(steps):
-      params, state = step(params, state, _batch(t, mesh))
-  return params
-
-
 def test_none_equals_plain_optax_under_gspmd_over_10_steps(mesh):
-  want = _dense(mesh, 10)
+  want = plain_gspmd(_loss, _params(), SPECS, mesh, [_batch(t, mesh) for t in range(10)])
   tx, step = _own_step(mesh, jaxcomp.none(axis_name="dcn"))
   params = _sharded_params(mesh)
   state = jax.jit(tx.init)(params)

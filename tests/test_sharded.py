@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import plain_gspmd
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -171,24 +172,6 @@ def test_checkpoint_restores_sharded_params_and_per_device_states_bitwise(tmp_pa
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
-def _plain_gspmd_sgd(params, specs, mesh, batches, lr):
-  """The dense reference: plain optax SGD on the whole batch under GSPMD, parameters sharded as ``specs``."""
-  shard = lambda tree: jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))  # noqa: E731
-  tx = optax.sgd(lr)
-  params = shard(params)
-  state = tx.init(params)
-
-  @jax.jit
-  def step(p, s, batch):
-    g = jax.grad(_loss)(p, batch)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  for batch in batches:
-    params, state = step(params, state, batch)
-  return params
-
-
 @pytest.mark.parametrize("axes", [("dcn", "fsdp"), ("dcn", "fsdp", "tensor")])
 def test_sharded_update_is_dense_whichever_axes_split_the_batch(axes):
   """Batch split the MaxText way (over dcn and fsdp, not tensor): every leaf, tensor-sharded ones too,
@@ -198,7 +181,7 @@ def test_sharded_update_is_dense_whichever_axes_split_the_batch(axes):
   specs = {"w1": P("fsdp", "tensor"), "b1": P("tensor"), "w2": P("tensor", "fsdp"), "b2": P()}
   rows = 4 * int(np.prod([mesh.shape[a] for a in axes]))
   batches = [tuple(a[:rows] for a in _data(t)) for t in range(3)]
-  want = _plain_gspmd_sgd(_params(), specs, mesh, batches, 0.1)
+  want = plain_gspmd(_loss, _params(), specs, mesh, batches)
   dp = jaxcomp.data_parallel(_loss, optax.chain(jaxcomp.none(axis_name="dcn"), optax.sgd(0.1)), mesh,
                              axes=axes, param_specs=specs)
   params, state = dp.init(_params())
