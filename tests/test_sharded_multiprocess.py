@@ -1,4 +1,4 @@
-"""data_parallel(param_specs=...) across processes: 2 processes x 4 CPU devices == 1 process x 8.
+"""data_parallel(param_specs=...) and the user-owned step across processes: 2 x 4 CPU devices == 1 x 8.
 
 One ``jaxcomp.launch.launch`` job runs this file as a script in 2 processes
 (``jax.distributed``, gloo); the mesh is (dcn=2, fsdp=4) with each process's 4
@@ -10,7 +10,9 @@ parameters to the host and saves them with the losses. The test process runs
 the same training on 8 of its devices and compares. With topk the processes
 also save a checkpoint (:mod:`jaxcomp.checkpoint`, each process its shards)
 midway, restore it into a fresh ``data_parallel``'s init output and redo the
-last steps: bit for bit the uninterrupted run.
+last steps: bit for bit the uninterrupted run. Last, the user-owned step
+(``jaxcomp.per_slice`` + ``jaxcomp.on_shards``) on a (dcn=2, fsdp=2, tensor=2)
+mesh, each process feeding its rows with ``make_array_from_process_local_data``.
 """
 
 from __future__ import annotations
@@ -111,6 +113,40 @@ def _resume(method: str, mesh: Mesh, part: int, parts: int, ckpt: str):
   return _host(_steps(dp, carry, range(SAVE_AT, STEPS), part, parts, [])[0], parts)
 
 
+OWN_SPECS = {"w1": P("fsdp", "tensor"), "b1": P("tensor"), "w2": P("tensor", "fsdp"), "b2": P()}
+
+
+def _own_mesh(devices) -> Mesh:
+  """(dcn=2, fsdp=2, tensor=2): each process's 4 devices one dcn slice."""
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  return Mesh(np.array(devices).reshape(PROCESSES, 2, 2), ("dcn", "fsdp", "tensor"),
+              axis_types=(AxisType.Auto,) * 3)
+
+
+def _own_train(mesh: Mesh, part: int, parts: int):
+  """The user-owned step (jaxcomp.per_slice + jaxcomp.on_shards, top-k over dcn, a Megatron-split MLP)
+  for STEPS steps, each process feeding its own rows; (host params, losses)."""
+  tx = jaxcomp.on_shards(_optimizer("topk"), mesh, OWN_SPECS, "dcn")
+  grad_fn = jaxcomp.per_slice(jax.value_and_grad(_loss), mesh, "dcn")
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = grad_fn(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss.mean()
+
+  rows = NamedSharding(mesh, P(("dcn", "fsdp")))
+  params = jax.device_put(_params(), {k: NamedSharding(mesh, s) for k, s in OWN_SPECS.items()})
+  state = jax.jit(tx.init)(params)
+  losses = []
+  for t in range(STEPS):
+    mine = jax.tree.map(lambda x: np.split(x, parts)[part], _batch(t))
+    batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), mine)
+    params, state, loss = step(params, state, batch)
+    losses.append(float(loss))
+  return _host(params, parts), np.asarray(losses)
+
+
 def _worker(out_dir: str) -> None:
   import jaxcomp.launch
 
@@ -127,6 +163,9 @@ def _worker(out_dir: str) -> None:
       params.update({f"resumed_{k}": v for k, v in resumed.items()})
     if pid == 0:
       np.savez(os.path.join(out_dir, f"{method}.npz"), losses=losses, **params)
+  params, losses = _own_train(_own_mesh(jax.devices()), pid, PROCESSES)
+  if pid == 0:
+    np.savez(os.path.join(out_dir, "own_step.npz"), losses=losses, **params)
   print(f"process {pid} done", flush=True)
 
 
@@ -166,6 +205,18 @@ def test_two_processes_equal_one(launched, method):
   for k, want in params.items():
     np.testing.assert_allclose(got[k], want, rtol=1e-6, atol=1e-6 * np.abs(want).max(),
                                err_msg=f"{method}/{k}: 2 processes x 4 != 1 process x 8")
+
+
+@pytest.mark.slow
+def test_the_user_owned_step_across_two_processes_equals_one(launched):
+  """per_slice + on_shards over (dcn=2, fsdp=2, tensor=2), dcn across the processes: 2 x 4 == 1 x 8."""
+  params, losses = _own_train(_own_mesh(jax.devices()[:PROCESSES * LOCAL]), 0, 1)
+  got = dict(np.load(launched / "own_step.npz"))
+  np.testing.assert_allclose(got.pop("losses"), losses, rtol=1e-6)
+  assert sorted(got) == sorted(params)
+  for k, want in params.items():  # tolerance: see test_two_processes_equal_one
+    np.testing.assert_allclose(got[k], want, rtol=1e-6, atol=1e-6 * np.abs(want).max(),
+                               err_msg=f"own step/{k}: 2 processes x 4 != 1 process x 8")
 
 
 if __name__ == "__main__":
