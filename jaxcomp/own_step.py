@@ -164,7 +164,11 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
     return jax.shard_map(init_device, mesh=mesh, in_specs=(specs,), out_specs=every, check_vma=False)(params)
 
   def update(grads, state, params=None):
-    grads, params = unbox(grads), unbox(params)
+    boxed = jax.tree.structure(grads)  # updates come back in the gradients' structure (Variables too)
+    updates, state = _update(unbox(grads), state, unbox(params))
+    return jax.tree.unflatten(boxed, jax.tree.leaves(updates)), state
+
+  def _update(grads, state, params):
     specs = specs_for(grads if params is None else params)
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
       if not getattr(g, "ndim", 0) or g.shape[0] != n:
