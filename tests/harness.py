@@ -281,3 +281,18 @@ def plain_gspmd(loss_fn, params, specs, mesh, batches, lr: float = 0.1):
     for batch in batches:
       params, state = step(params, state, batch)
   return params
+
+
+def own_step(loss_fn, chain, mesh, specs, axis: str = "dcn"):
+  """The user-owned step of docs/own-step.md: ``(on_shards(chain), jitted step)``, the step
+  ``(params, state, batch) -> (params, state, mean loss)`` through per_slice and on_shards."""
+  tx = jaxcomp.on_shards(chain, mesh, specs, axis)
+  grad_fn = jaxcomp.per_slice(jax.value_and_grad(loss_fn), mesh, axis)
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = grad_fn(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss.mean()
+
+  return tx, step

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import plain_gspmd
+from harness import own_step, plain_gspmd
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -56,16 +56,7 @@ def _sharded_params(mesh):
 
 
 def _own_step(mesh, method, lr=0.1):
-  tx = jaxcomp.on_shards(optax.chain(method, optax.sgd(lr)), mesh, SPECS, "dcn")
-  grad_fn = jaxcomp.per_slice(jax.value_and_grad(_loss), mesh, "dcn")
-
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = grad_fn(params, batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss.mean()
-
-  return tx, step
+  return own_step(_loss, optax.chain(method, optax.sgd(lr)), mesh, SPECS)
 
 
 def test_none_equals_plain_optax_under_gspmd_over_10_steps(mesh):

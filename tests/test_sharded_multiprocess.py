@@ -126,15 +126,9 @@ def _own_mesh(devices) -> Mesh:
 def _own_train(mesh: Mesh, part: int, parts: int):
   """The user-owned step (jaxcomp.per_slice + jaxcomp.on_shards, top-k over dcn, a Megatron-split MLP)
   for STEPS steps, each process feeding its own rows; (host params, losses)."""
-  tx = jaxcomp.on_shards(_optimizer("topk"), mesh, OWN_SPECS, "dcn")
-  grad_fn = jaxcomp.per_slice(jax.value_and_grad(_loss), mesh, "dcn")
+  from harness import own_step  # tests/ is on the path: this file's folder (also as a script)
 
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = grad_fn(params, batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss.mean()
-
+  tx, step = own_step(_loss, _optimizer("topk"), mesh, OWN_SPECS)
   rows = NamedSharding(mesh, P(("dcn", "fsdp")))
   params = jax.device_put(_params(), {k: NamedSharding(mesh, s) for k, s in OWN_SPECS.items()})
   state = jax.jit(tx.init)(params)
