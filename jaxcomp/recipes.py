@@ -29,8 +29,13 @@ The kinds of SGD recipe:
 - ``"after"``: ``sgd(lr, momentum)`` first, then the method, which
   compresses the update (SBC's communication delay accumulates updates).
 
-The choices were measured on the main job (``python -m jaxcomp.bench
---quick``, 100 steps) and on scikit-learn's digits (tests/test_recipes.py).
+Every recipe compresses every leaf (:func:`every_leaf`), and
+``recipe(..., total_steps=T)`` scales its warm-ups to the run
+(:func:`warmup_steps`). The choices were measured on the main job
+(``python -m jaxcomp.bench``), on scikit-learn's digits
+(tests/test_recipes.py) and on the suite of five tasks
+(``python -m jaxcomp.bench suite``); docs/recipes.md has the figures, and which
+methods need runs longer than 300 steps.
 """
 
 from __future__ import annotations
@@ -90,10 +95,14 @@ RECIPES: dict[str, Recipe] = {
     "powersgd": Recipe("outer", "error feedback on a rank-4 estimate that keeps most of the energy"),
     "acpsgd": Recipe("outer", "as PowerSGD"),
     "topk": Recipe("inner", "1% of entries: momentum before the residual (DGC's correction)"),
-    "randomk": Recipe("inner", "1% of entries at random: momentum before the residual; dense for the first"
-                      " steps, which a short run needs", start_step=25),
-    "threshold": Recipe("ef21", "a sampled threshold sends an uneven amount: EF21's estimates, outer"
-                        " momentum"),
+    "randomk": Recipe("outer", "a quarter of the entries at random, scaled to an unbiased estimate without"
+                      " error feedback, outer momentum as dense; dense for the first steps (1% or 10%, and"
+                      " error feedback at any share, lost 3-64 points on the suite's digits or diverged on"
+                      " its regression)",
+                      method_kwargs=(("ratio", 0.25), ("unbiased", True), ("error_feedback", False)),
+                      start_step=25),
+    "threshold": Recipe("inner", "momentum before the residual, as top-k (EF21's estimates with an outer"
+                        " momentum, chosen on the main job, lost 28-57% of the suite's regression loss)"),
     "adaq": Recipe("inner", "sparse and quantized: momentum before the residual"),
     "inceptionn": Recipe("inner", "error feedback on a lossy code: momentum before the residual"),
     "onebit": Recipe("inner", "1 bit with error feedback: momentum before the residual"),
@@ -103,10 +112,11 @@ RECIPES: dict[str, Recipe] = {
                         " smaller lr: between the best for short runs (1 x) and for long ones (0.5 x)",
                         lr_scale=0.7),
     "dgc": Recipe("own", "DGC's own momentum correction and masking; dense steps first instead of its"
-                  " ratio warm-up, and no clipping (both cost accuracy); small leaves dense (more accurate"
-                  " over seeds than compressing every leaf, which sends fewer bytes)",
-                  method_kwargs=(("clip_norm", None), ("warmup_steps", 0), ("min_size", 1024)),
-                  start_step=10),
+                  " ratio warm-up, and no clipping (both cost accuracy); 40 dense steps of 600, which"
+                  " the scatter exchange and short runs need (10 lost 1.7-2.8 points on the suite's"
+                  " digits with it)",
+                  method_kwargs=(("clip_norm", None), ("warmup_steps", 0)),
+                  start_step=40),
     "redsync": Recipe("inner", "momentum before the residual, without DGC's masking; DGC's ratio warm-up,"
                       " which a short run needs", warmup_steps=40),
     "signum": Recipe("own", "local momentum, majority vote of signs: a +-1 step, lr scaled",
@@ -222,11 +232,15 @@ ADAMW_RECIPES: dict[str, AdamWRecipe] = {
                         " a smaller lr)", method_kwargs=(("compression_decay", 0.99),)),
 }
 
+# The run length each table's warm-ups are stated for: recipe(..., total_steps=T) scales them by T / this.
+REFERENCE_STEPS = {"sgd": 600, "adamw": 300}
+
 ADAMW = {"b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 1e-4}  # optax.adamw's defaults
 
 
 def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = None, *,
-           optimizer: str = "sgd", momentum: float | None = None, **kwargs) -> optax.GradientTransformation:
+           optimizer: str = "sgd", momentum: float | None = None, total_steps: int | None = None,
+           **kwargs) -> optax.GradientTransformation:
   """The optax chain method ``name`` should use where dense training uses ``sgd(lr, momentum)`` (or adamw).
 
   Args:
@@ -241,6 +255,10 @@ def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = No
       outer ``sgd``'s, the momentum correction's, or the method's own
       momentum (DGC, Signum). With ``"adamw"`` (whose momentum is ``b1``),
       the method's own ``momentum=`` setting, if it has one.
+    total_steps: the run's length in steps, if known: every warm-up of the
+      recipe (dense steps first, a ratio warm-up, 1-bit Adam's freeze step)
+      becomes the same fraction of this run as it is of :data:`REFERENCE_STEPS`
+      (:func:`warmup_steps`). None: the warm-ups' steps as the tables state.
     **kwargs: settings of the method's factory and of the optimizer (the
       caller's override the recipe's): with ``"sgd"``, ``optax.sgd``'s
       ``nesterov`` and ``accumulator_dtype``; with ``"adamw"``,
@@ -261,7 +279,7 @@ def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = No
 
   _args.choice("optimizer", optimizer, OPTIMIZERS)
   if optimizer == "adamw":
-    return _adamw_recipe(name, learning_rate, axis_name, momentum, **kwargs)
+    return _adamw_recipe(name, learning_rate, axis_name, momentum, total_steps, **kwargs)
   name = _args.choice("name", name, tuple(RECIPES))
   m = _args.unit_interval("momentum", 0.9 if momentum is None else momentum)
   r = RECIPES[name]
@@ -271,23 +289,23 @@ def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = No
   outer = optax.sgd(lr, momentum=(m or None) if r.kind in ("outer", "ef21", "after") else None, **sgd_kw)
   if r.kind == "after":  # the method wraps the optimizer and compresses its update (SBC's delay)
     return METHODS[name](axis_name=axis_name, optimizer=outer, **{**dict(r.method_kwargs), **method_kw})
-  return optax.chain(recipe_method(name, axis_name, momentum=m, **method_kw), outer)
+  return optax.chain(recipe_method(name, axis_name, momentum=m, total_steps=total_steps, **method_kw), outer)
 
 
 def recipe_method(name: str, axis_name: Any = None, *, optimizer: str = "sgd", momentum: float | None = None,
-                  **kwargs):
+                  total_steps: int | None = None, **kwargs):
   """The compression transform of :func:`recipe` alone; the same arguments (the optimizer's are unused)."""
 
   _args.choice("optimizer", optimizer, OPTIMIZERS)
   if optimizer == "adamw":
-    return _adamw_recipe(name, 1e-3, axis_name, momentum, **kwargs).compressor
+    return _adamw_recipe(name, 1e-3, axis_name, momentum, total_steps, **kwargs).compressor
   name = _args.choice("name", name, tuple(RECIPES))
   momentum = _args.unit_interval("momentum", 0.9 if momentum is None else momentum)
-  r = RECIPES[name]
+  r = _scaled_recipe(RECIPES[name], "sgd", total_steps)
   factory = METHODS[name]
   method_kw, _ = _split(name, "sgd", kwargs, (name, _takes(factory, "axis_name", "optimizer")),
                         ("optax.sgd", _takes(optax.sgd, "learning_rate", "momentum")))
-  kwargs = dict(r.method_kwargs)
+  kwargs = {**every_leaf(factory), **dict(r.method_kwargs)}
   if r.kind == "own" and "momentum" in inspect.signature(factory).parameters:
     kwargs["momentum"] = momentum  # the method's own momentum stands for sgd's
   kwargs.update(method_kw)
@@ -305,6 +323,40 @@ def recipe_method(name: str, axis_name: Any = None, *, optimizer: str = "sgd", m
   if r.start_step:
     tx = configure(tx, start_step=r.start_step)
   return tx
+
+
+def every_leaf(factory) -> dict:
+  """The recipes' leaf policy: every leaf compressed (``min_size=1``) where ``factory`` has a policy.
+
+  A leaf kept dense costs its whole float32 size: on a model of small leaves a few of them
+  outweigh a 1% or 1-bit payload (the suite: 1-bit sent 6.2x, random-k 18x what compressing every
+  leaf sends on the digits MLP), and no task of the suite needed them dense (docs/recipes.md).
+  """
+  return {"min_size": 1} if "min_size" in inspect.signature(factory).parameters else {}
+
+
+def warmup_steps(steps: int, optimizer: str, total_steps: int | None) -> int:
+  """A recipe's warm-up of ``steps`` (stated for :data:`REFERENCE_STEPS`) in a run of ``total_steps``.
+
+  The same fraction of the run, rounded, at least 1 step where the recipe has a warm-up; None: ``steps``.
+  """
+  if total_steps is None or not steps:
+    return steps
+  return max(1, round(steps * total_steps / REFERENCE_STEPS[optimizer]))
+
+
+def _scaled_recipe(r, optimizer, total_steps):
+  """``r`` with its warm-ups for a run of ``total_steps`` (:func:`warmup_steps`)."""
+  if total_steps is None:
+    return r
+  total_steps = _args.integer("total_steps", total_steps, 1)
+  fields = ("start_step", "warmup_steps") if optimizer == "sgd" else ("start_step",)
+  changes = {f: warmup_steps(getattr(r, f), optimizer, total_steps) for f in fields}
+  kw = dict(r.method_kwargs)
+  if "var_freeze_step" in kw:  # 0/1 Adam's own warm-up
+    kw["var_freeze_step"] = warmup_steps(kw["var_freeze_step"], optimizer, total_steps)
+    changes["method_kwargs"] = tuple(kw.items())
+  return dataclasses.replace(r, **changes)
 
 
 def _takes(fn, *exclude) -> frozenset | None:
@@ -341,11 +393,11 @@ def _scaled(learning_rate, scale):
   return scale * learning_rate
 
 
-def _adamw_recipe(name, learning_rate, axis_name, momentum=None, **kwargs):
+def _adamw_recipe(name, learning_rate, axis_name, momentum=None, total_steps=None, **kwargs):
   """:func:`recipe` with ``optimizer="adamw"``: a complete optimizer with ``.compressor``."""
 
   name = _args.choice("name", name, tuple(ADAMW_RECIPES))
-  r = ADAMW_RECIPES[name]
+  r = _scaled_recipe(ADAMW_RECIPES[name], "adamw", total_steps)
   lr = learning_rate if r.lr_scale == 1.0 else _scaled(learning_rate, r.lr_scale)
   if momentum is not None:  # adamw's momentum is b1: this is the method's own setting
     kwargs = {"momentum": momentum, **kwargs}
@@ -359,6 +411,8 @@ def _adamw_recipe(name, learning_rate, axis_name, momentum=None, **kwargs):
       defaults["freeze_step"] = r.start_step
     if r.kind == "momentum":
       defaults["transport"] = "gather"
+    if r.kind == "momentum":
+      defaults.update(every_leaf(METHODS[name]))
     settings = {**defaults, **dict(r.method_kwargs), **kwargs}
     if _takes(opt) is None:  # onebit_adam, zero_one_adam: **codec_kwargs go to the codec's factory
       codec = name if r.kind == "momentum" else settings.get("codec", "onebit")
@@ -372,7 +426,7 @@ def _adamw_recipe(name, learning_rate, axis_name, momentum=None, **kwargs):
       r.kind, ("optax.adamw", _takes(optax.adamw, "learning_rate")))
   method_kw, opt_kw = _split(name, "adamw", kwargs, (name, _takes(factory, "axis_name", "optimizer")),
                              optimizer)
-  tx = factory(axis_name=axis_name, **{**dict(r.method_kwargs), **method_kw})
+  tx = factory(axis_name=axis_name, **{**every_leaf(factory), **dict(r.method_kwargs), **method_kw})
   if r.kind == "ef21":
     tx = configure(tx, memory=ef21())
   if r.start_step:

@@ -1,6 +1,5 @@
 """jaxcomp.recipe on a second real task: an MLP on scikit-learn's digits, every method, 8 workers."""
 
-import conftest
 import harness
 import optax
 import pytest
@@ -25,16 +24,10 @@ def dense_accuracy(digits):
   return _accuracy(jaxcomp.recipe("none", LR, axis_name=AXIS), digits)
 
 
-def _default_policy(name):
-  """The library's default leaf policy (conftest compresses every leaf): 1024 where the method has no own."""
-  return ({} if jaxcomp.METHODS[name]().method.min_size is not None
-          else {"min_size": conftest.DEFAULT_MIN_SIZE})
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(jaxcomp.METHODS) - {"none"}))
 def test_every_recipe_lands_within_2_points_of_dense(name, digits, dense_accuracy):
-  tx = jaxcomp.recipe(name, LR, axis_name=AXIS, **_default_policy(name))
+  tx = jaxcomp.recipe(name, LR, axis_name=AXIS)  # the recipe's leaf policy: every leaf (recipes.every_leaf)
   acc = _accuracy(tx, digits)
   print(f"{name}: {100 * acc:.1f}% (dense {100 * dense_accuracy:.1f}%)")
   assert acc >= dense_accuracy - 0.02
@@ -51,8 +44,7 @@ def dense_adamw_accuracy(digits):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(jaxcomp.recipes.ADAMW_RECIPES) - {"none"}))
 def test_every_adamw_recipe_lands_within_2_points_of_dense_adamw(name, digits, dense_adamw_accuracy):
-  kw = {} if jaxcomp.recipes.ADAMW_RECIPES[name].kind == "optimizer" else _default_policy(name)
-  tx = jaxcomp.recipe(name, ADAMW_LR, axis_name=AXIS, optimizer="adamw", **kw)
+  tx = jaxcomp.recipe(name, ADAMW_LR, axis_name=AXIS, optimizer="adamw")
   acc = _accuracy(tx, digits)
   print(f"{name}: {100 * acc:.1f}% (dense AdamW {100 * dense_adamw_accuracy:.1f}%)")
   assert acc >= dense_adamw_accuracy - 0.02
