@@ -283,13 +283,14 @@ def recipe(name: str, learning_rate: float | optax.Schedule, axis_name: Any = No
     return _adamw_recipe(name, learning_rate, axis_name, momentum, total_steps, **kwargs)
   name = _args.choice("name", name, tuple(RECIPES))
   m = _args.unit_interval("momentum", 0.9 if momentum is None else momentum)
-  r = RECIPES[name]
+  r = _scaled_recipe(RECIPES[name], "sgd", total_steps)  # checks total_steps for every kind
   method_kw, sgd_kw = _split(name, "sgd", kwargs, (name, _takes(METHODS[name], "axis_name", "optimizer")),
                              ("optax.sgd", _takes(optax.sgd, "learning_rate", "momentum")))
   lr = learning_rate if r.lr_scale == 1.0 else _scaled(learning_rate, r.lr_scale)
   outer = optax.sgd(lr, momentum=(m or None) if r.kind in ("outer", "ef21", "after") else None, **sgd_kw)
   if r.kind == "after":  # the method wraps the optimizer and compresses its update (SBC's delay)
-    return METHODS[name](axis_name=axis_name, optimizer=outer, **{**dict(r.method_kwargs), **method_kw})
+    return METHODS[name](axis_name=axis_name, optimizer=outer,
+                         **{**every_leaf(METHODS[name]), **dict(r.method_kwargs), **method_kw})
   return optax.chain(recipe_method(name, axis_name, momentum=m, total_steps=total_steps, **method_kw), outer)
 
 

@@ -25,6 +25,8 @@ def test_total_steps_scales_every_warmup_to_the_same_fraction_of_the_run():
   assert recipes.warmup_steps(0, "sgd", 10) == 0 and recipes.warmup_steps(25, "sgd", 1) == 1
   with pytest.raises(ValueError, match="total_steps"):
     jaxcomp.recipe("topk", 0.1, axis_name="data", total_steps=0)
+  with pytest.raises(ValueError, match="total_steps"):  # SBC wraps the optimizer: checked there too
+    jaxcomp.recipe("sbc", 0.1, axis_name="data", total_steps=-5)
   with pytest.raises(TypeError, match="total_steps"):
     jaxcomp.recipe("topk", 0.1, axis_name="data", optimizer="adamw", total_steps=2.5)
 
