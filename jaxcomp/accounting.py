@@ -110,7 +110,7 @@ def traffic(tx: Any, params: Any, workers: int) -> list:
   for b in steady.buckets(params):
     ex = b.exchange
     if isinstance(ex, ScatterExchange):
-      first, second = chunk_payload_bytes(ex, b.length, workers)
+      first, second = chunk_payload_bytes(ex, b.segments, workers)
       out += [("all-to-all", workers * first), ("all-gather", second)]
     elif ex.all_reduces:
       out.append(("all-reduce", ex.bucket_wire_bytes(b.segments)))

@@ -212,6 +212,28 @@ class Bucket:
     return self.segments.length
 
 
+def chunk_segments(segs: Segments, workers: int, block: int = 1, by_leaf: bool = True) -> Segments:
+  """The segments of one chunk when the bucket ``segs`` is cut into ``workers`` equal chunks.
+
+  A chunk is ``ceil(length / workers)`` entries, padded to a multiple of ROW,
+  ``block`` and ``segs.block`` (the bucket is zero-padded to ``workers``
+  chunks). Every chunk shares one static layout: with ``by_leaf`` it is cut
+  wherever any chunk holds a leaf's boundary (at most leaves + 1 cuts), so no
+  segment of any chunk holds two leaves and a codec's per-segment scale or
+  norm never mixes leaves of different magnitudes; without, one segment.
+  """
+  step = int(np.lcm.reduce([ROW, int(block), int(segs.block)]))
+  c = padded(-(-segs.length // workers), step)
+  cuts = {0, c}
+  if by_leaf:
+    cuts.add(segs.length % c)
+    for o, p in zip(segs.offsets, segs.padded_sizes):
+      cuts.update((o % c, (o + p) % c))
+  points = sorted(cuts)
+  sizes = tuple(b - a for a, b in zip(points[:-1], points[1:]))
+  return Segments(tuple(points[:-1]), sizes, tuple((n,) for n in sizes), step)
+
+
 def _block(exchange) -> int:
   """The exchange's segment alignment: a multiple of :data:`ROW` (the bucket's row width)."""
   block = int(exchange.block)

@@ -28,11 +28,16 @@ worker's own chunk (so its size does not depend on N), always on: phase 2
 compresses a mean, which no per-worker unbiasedness argument covers. Every
 value of the gradient is either delivered or held in one of the two.
 
-A chunk is compressed as one segment: per-leaf settings of a codec (a norm, a
-scale, a top-k budget) apply per chunk, as in ZeRO++'s blockwise quantization;
-a sparsifier selects ``ratio * C`` entries in each owner's region (its static
-capacity per region; what is not selected stays in the worker's residual),
-and the owner selects ``ratio * C`` of its summed region again.
+A chunk is cut where any chunk holds a leaf's boundary
+(:func:`jaxcomp.layout.chunk_segments`: one static layout for every chunk, at
+most leaves + 1 segments): a codec's per-leaf scale or norm applies per leaf
+within each chunk, as in ZeRO++'s blockwise quantization, and never mixes
+leaves (one scale over a whole chunk: 1-bit 63.4% and signSGD 84.6% on the
+suite's MNIST CNN, 300 steps, against 93.7% and 92.9% cut at leaves; dense
+96.1%). A sparsifier (``Codec.leaf_segments = False``) keeps one segment per
+chunk: it selects ``ratio * C`` entries in each owner's region (its static
+capacity; what is not selected stays in the worker's residual), and the
+owner selects ``ratio * C`` of its summed region again.
 
 A selection (a codec with ``selects = True``: top-k) hands back what the
 owner did not select, as Ok-Topk and gTop-k return the reduced values left
@@ -65,19 +70,9 @@ from jax import lax
 
 from jaxcomp import layout
 from jaxcomp.collectives import ops, packing
-from jaxcomp.hierarchy import chunk_length
 from jaxcomp.protocol import Codec, CodecExchange, Exchange
 
 TRANSPORTS = ("gather", "scatter")
-
-
-def chunk_segments(length: int, workers: int, block: int = 1) -> layout.Segments:
-  """The one segment of a chunk when a bucket of ``length`` entries is cut into ``workers`` chunks.
-
-  Its length is :func:`jaxcomp.hierarchy.chunk_length` rounded up to a multiple of ``block``.
-  """
-  c = layout.padded(chunk_length(length, workers), math.lcm(layout.ROW, int(block)))
-  return layout.Segments((0,), (c,), ((c,),), block)
 
 
 def _batched(fn, codec, *args):
@@ -115,7 +110,7 @@ class ScatterExchange(Exchange):
       local = codec.decode(payload, ctx.key, segs)
       return local, local, owner
     n, me, length = ctx.axis.size, ctx.axis.index, segs.length
-    cs = chunk_segments(length, n, self.block)
+    cs = layout.chunk_segments(segs, n, self.block, codec.leaf_segments)
     c = cs.length
     key1, key2 = jax.random.split(ctx.key)
     base = key1 if codec.shared_key else jax.random.fold_in(key1, me)
@@ -159,19 +154,19 @@ class ScatterExchange(Exchange):
     if workers is None:
       raise ValueError("transport='scatter' sends chunk payloads whose size depends on the number of"
                        " workers; pass workers=N (jaxcomp.wire_bytes(tx, params, workers=N))")
-    first, second = chunk_payload_bytes(self, segs.length, workers)
+    first, second = chunk_payload_bytes(self, segs, workers)
     return workers * first + second
 
 
-def chunk_payload_bytes(ex: ScatterExchange, length: int, workers: int) -> tuple:
+def chunk_payload_bytes(ex: ScatterExchange, segs: layout.Segments, workers: int) -> tuple:
   """Bytes of one chunk's payload in phase 1 and in phase 2 (the owner's, of its reduced chunk)."""
   codec = ex.inner.scatter_codec(None)
-  return _payload_bytes(codec, length, workers, ex.block), \
-      _payload_bytes(codec.owner_codec, length, workers, ex.block)
+  return _payload_bytes(codec, segs, workers, ex.block), \
+      _payload_bytes(codec.owner_codec, segs, workers, ex.block)
 
 
-def _payload_bytes(codec, length: int, workers: int, block: int) -> int:
-  cs = chunk_segments(length, workers, block)
+def _payload_bytes(codec, segs: layout.Segments, workers: int, block: int) -> int:
+  cs = layout.chunk_segments(segs, workers, block, codec.leaf_segments)
   x = jax.ShapeDtypeStruct((cs.length,), jnp.float32)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
   shapes = jax.eval_shape(lambda x, k: codec.encode(x, k, cs), x, key)

@@ -116,10 +116,34 @@ def test_bad_arguments_are_named():
     jaxcomp.onebit_adam(LR, b2=1.0)
   with pytest.raises(TypeError, match="local_momentum must be True or False"):
     jaxcomp.onebit_adam(LR, local_momentum="yes")
+  with pytest.raises(ValueError, match=r"var_floor must be in \[0, 1\]"):
+    jaxcomp.onebit_adam(LR, var_floor=2.0)
+  with pytest.raises(ValueError, match=r"var_floor must be in \[0, 1\]"):
+    jaxcomp.zero_one_adam(LR, var_floor=-0.1)
   with pytest.raises(ValueError, match="not available for powersgd"):
     jaxcomp.onebit_adam(LR, codec="powersgd", axis_name=AXIS)
   tx = jaxcomp.onebit_adam(LR, codec="powersgd", transport="gather", axis_name=AXIS)
   assert tx.compressor.transport == "gather"
+
+
+@pytest.mark.parametrize("make", ["onebit_adam", "zero_one_adam"])
+def test_var_floor_bounds_the_step_of_an_entry_that_never_saw_a_gradient(make):
+  """A dead unit (gradient 0 through the warm-up, variance 0) gets its leaf's 1-bit scale afterwards:
+  without a floor its step is that scale over eps; with one, at most ~1/sqrt(var_floor) of Adam's step."""
+  dead = {"w": jnp.zeros((N, 64, 48)).at[:, :, 0].set(1.0), "k": jnp.zeros((N, 3, 3, 8, 16)),
+          "b": jnp.zeros((N, 48))}
+  grads_of = lambda t: jax.tree.map(lambda g, d: g * (d != 0), worker_grads(PARAMS, seed=t), dead)  # noqa: E731
+  steps = {}
+  for floor in (0.0, 0.01):
+    kw = {"var_floor": floor}
+    tx = (jaxcomp.onebit_adam(LR, freeze_step=3, axis_name=AXIS, **kw) if make == "onebit_adam"
+          else _zero_one(var_freeze_step=3, **kw))
+    grads_late = lambda t: grads_of(t) if t < 3 else worker_grads(PARAMS, seed=t)  # noqa: E731
+    history = _train(tx, 5, grads_late)
+    out = np.asarray(history[-1][0]["w"])[0]
+    steps[floor] = np.abs(out[:, 1:]).max() / LR  # the entries that were dead through the warm-up
+  assert steps[0.0] > 1e5, steps  # measured 9.5e6 x lr
+  assert steps[0.01] <= 100, steps  # 1/sqrt(0.01) x the leaf's mean-variance step (a 48th of it live)
 
 
 def _zero_one(**kw):

@@ -172,3 +172,38 @@ def test_psummed_methods_keep_their_all_reduce():
     gather = jaxcomp.METHODS[name](axis_name=AXIS, **kw)
     scatter = jaxcomp.METHODS[name](axis_name=AXIS, transport="scatter", **kw)
     assert jaxcomp.wire_bytes(scatter, params, workers=N) == jaxcomp.wire_bytes(gather, params)
+
+
+@pytest.mark.parametrize("sizes, workers",
+                         [((3000, 200, 7, 1), 8), ((128, 4096, 33), 3), ((50,), 8), ((9000,), 2)])
+def test_chunk_segments_never_hold_two_leaves(sizes, workers):
+  """Every chunk shares one layout, cut at every leaf boundary any chunk holds (by_leaf)."""
+  offsets, at = [], 0
+  for n in sizes:
+    offsets.append(at)
+    at += layout.padded(n, layout.ROW)
+  segs = layout.Segments(tuple(offsets), tuple(sizes), tuple((n,) for n in sizes), layout.ROW)
+  cs = layout.chunk_segments(segs, workers)
+  c = cs.length
+  assert c * workers >= segs.length and c % layout.ROW == 0 and cs.offsets[0] == 0
+  assert sum(cs.sizes) == c and len(cs.sizes) <= 2 * len(sizes) + 1
+  owner = np.full(c * workers, -1)  # the leaf of every entry of the padded bucket (-1: padding)
+  for i, (o, n) in enumerate(zip(offsets, sizes)):
+    owner[o:o + layout.padded(n, layout.ROW)] = i
+  for j in range(workers):
+    for o, n in zip(cs.offsets, cs.sizes):
+      assert len(set(owner[j * c + o:j * c + o + n])) == 1, (j, o, n)
+  one = layout.chunk_segments(segs, workers, by_leaf=False)
+  assert one.sizes == (c,) and one.length == c
+
+
+@pytest.mark.parametrize("name", ["onebit", "efsignsgd", "terngrad"])
+def test_a_scale_never_mixes_leaves_of_a_chunk(name):
+  """A 1e-6 leaf beside a 1.0 leaf in one chunk keeps its own scale (it took the chunk's: 1e5 too large)."""
+  params = {"a": jnp.zeros((4000,)), "b": jnp.zeros((200,))}
+  tx = _scatter(name, min_size=1)
+  g = {"a": jnp.ones((N, 4000)), "b": 1e-6 * jnp.ones((N, 200))}
+  out, _ = run_pmap(tx, g, init_stacked(tx, params))
+  b = np.abs(np.asarray(out["b"])[0])
+  assert b.max() <= 1e-5, b.max()
+  assert b.max() > 0

@@ -1,8 +1,10 @@
-"""What 1-bit Adam and 0/1 Adam share: Adam's settings checked, and the codec that moves their payload."""
+"""What 1-bit Adam and 0/1 Adam share: Adam's settings, the codec of their payload, the variance floor."""
 
 from __future__ import annotations
 
 import inspect
+
+import jax.numpy as jnp
 
 from jaxcomp.registry import METHODS
 from jaxcomp.transforms import _args
@@ -23,3 +25,10 @@ def codec_compressor(codec: str, axis_name, transport: str, seed: int, codec_kwa
   if "seed" in inspect.signature(factory).parameters:
     codec_kwargs = {**codec_kwargs, "seed": seed}
   return factory(axis_name=axis_name, transport=transport, **codec_kwargs)
+
+
+def frozen_denominator(v, bc2, eps: float, var_floor: float):
+  """Adam's ``sqrt(v / bc2) + eps`` with ``v`` at least ``var_floor`` times its leaf's mean (0: none)."""
+  if var_floor:
+    v = jnp.maximum(v, var_floor * jnp.mean(v))
+  return jnp.sqrt(v / bc2) + eps

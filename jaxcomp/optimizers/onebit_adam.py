@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.optimizers.common import adam_args, codec_compressor
+from jaxcomp.optimizers.common import adam_args, codec_compressor, frozen_denominator
 from jaxcomp.rebuild import configure
 from jaxcomp.transformation import CompressionTransformation, compressed_optimizer
 from jaxcomp.transforms import _args
@@ -43,7 +43,8 @@ class ScaleByOneBitAdamState(NamedTuple):
 
 def scale_by_onebit_adam(compressor: CompressionTransformation, b1: float = 0.9, b2: float = 0.999,
                          eps: float = 1e-8, freeze_step: int = 100,
-                         local_momentum: bool = False) -> optax.GradientTransformation:
+                         local_momentum: bool = False,
+                         var_floor: float = 0.0) -> optax.GradientTransformation:
   """Adam's scaling with the momentum averaged by ``compressor`` and the variance frozen from ``freeze_step``.
 
   Args:
@@ -59,6 +60,12 @@ def scale_by_onebit_adam(compressor: CompressionTransformation, b1: float = 0.9,
       delivers the whole momentum, once and late; restarting from a sparse
       mean would drop the unsent part from the momentum and deliver it only
       through repeated selections. ``mu`` is then per worker.
+    var_floor: after the freeze, each entry's variance is at least this
+      fraction of its leaf's mean variance (:func:`frozen_denominator`). An
+      entry that never saw a gradient (a dead ReLU's weights) has a frozen
+      variance near 0, while a 1-bit or random codec hands it a momentum of
+      its leaf's scale: without a floor its step is that scale over ``eps``.
+      A fraction of the leaf's own mean keeps the update scale-equivariant.
 
   A non-finite step (the exchange then outputs NaN on every worker) keeps
   ``mu``, ``nu`` and ``count`` and outputs NaN, so ``optax.apply_if_finite``
@@ -88,8 +95,9 @@ def scale_by_onebit_adam(compressor: CompressionTransformation, b1: float = 0.9,
     t = state.count + 1
     bc1 = 1.0 - b1 ** t.astype(jnp.float32)
     bc2 = 1.0 - b2 ** jnp.minimum(t, freeze_step).astype(jnp.float32)
-    out = jax.tree.map(lambda m, v, g: ((m / bc1) / (jnp.sqrt(v / bc2) + eps)).astype(g.dtype),
-                       mu, nu, updates)
+    denominator = lambda v: jnp.where(warm, jnp.sqrt(v / bc2) + eps,  # noqa: E731
+                                      frozen_denominator(v, bc2, eps, var_floor))
+    out = jax.tree.map(lambda m, v, g: ((m / bc1) / denominator(v)).astype(g.dtype), mu, nu, updates)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(mu)] or [jnp.array(True)]))
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
     new_state = ScaleByOneBitAdamState(jnp.where(finite, t, state.count), keep(kept, state.mu),
@@ -102,7 +110,7 @@ def scale_by_onebit_adam(compressor: CompressionTransformation, b1: float = 0.9,
 def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                 weight_decay: float = 0.0, freeze_step: int = 100, axis_name: AxisName = None,
                 codec: str = "onebit", transport: str = "scatter", seed: int = 0,
-                local_momentum: bool = False, **codec_kwargs):
+                local_momentum: bool = False, var_floor: float = 0.0, **codec_kwargs):
   """1-bit Adam: a complete optax optimizer that owns its exchange.
 
   Exact Adam (on the dense mean gradient) for ``freeze_step`` steps, then the
@@ -124,6 +132,9 @@ def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: floa
     local_momentum: each worker keeps its own momentum after the freeze
       (:func:`scale_by_onebit_adam`; for sparse codecs), instead of the
       compressed mean (the paper).
+    var_floor: after the freeze, each entry's variance is at least this
+      fraction of its leaf's mean variance (0: the paper; see
+      :func:`scale_by_onebit_adam`).
     **codec_kwargs: settings of ``codec``'s factory.
 
   Returns:
@@ -142,6 +153,8 @@ def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: floa
   decay = [optax.add_decayed_weights(weight_decay)] if weight_decay else []  # it needs params
   if not isinstance(local_momentum, bool):
     raise TypeError(f"local_momentum must be True or False, got local_momentum={local_momentum!r}")
-  tx = optax.chain(scale_by_onebit_adam(compressor, b1, b2, eps, freeze_step, local_momentum), *decay,
+  var_floor = _args.unit_interval("var_floor", var_floor, closed_right=True)
+  tx = optax.chain(scale_by_onebit_adam(compressor, b1, b2, eps, freeze_step, local_momentum, var_floor),
+                   *decay,
                    optax.scale_by_learning_rate(learning_rate))
   return compressed_optimizer(tx, compressor)

@@ -42,7 +42,7 @@ from jax import lax
 from jaxcomp.accounting import wire_bytes
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName, current_axis
-from jaxcomp.optimizers.common import adam_args, codec_compressor
+from jaxcomp.optimizers.common import adam_args, codec_compressor, frozen_denominator
 from jaxcomp.transformation import compressed_optimizer
 from jaxcomp.transforms import _args
 
@@ -85,13 +85,14 @@ class _Settings(NamedTuple):
   local_step_scaler: int
   local_step_clipper: int
   axis_name: AxisName
+  var_floor: float
 
 
 def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999,
                   eps: float = 1e-8, weight_decay: float = 0.0, var_freeze_step: int = 100000,
                   var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
                   axis_name: AxisName = None, codec: str = "onebit", transport: str = "scatter",
-                  seed: int = 0,
+                  seed: int = 0, var_floor: float = 0.0,
                   **codec_kwargs):
   """0/1 Adam: adaptive variance freezing and skipped rounds, a complete optax optimizer.
 
@@ -112,6 +113,10 @@ def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: fl
     local_step_clipper: the largest local interval (16).
     axis_name, codec, transport, seed, **codec_kwargs: the 1-bit exchange, as
       :func:`jaxcomp.onebit_adam`.
+    var_floor: on every step that is not a dense variance update, each
+      entry's variance is at least this fraction of its leaf's mean (0: the
+      paper), as :func:`jaxcomp.onebit_adam`'s: a 1-bit momentum or
+      gradient hands an entry that never saw a gradient its leaf's scale.
 
   Returns:
     An optax ``GradientTransformation`` with ``.compressor``.
@@ -126,9 +131,10 @@ def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: fl
   var_update_scaler = _args.integer("var_update_scaler", var_update_scaler, 1)
   local_step_scaler = _args.integer("local_step_scaler", local_step_scaler, 1)
   local_step_clipper = _args.integer("local_step_clipper", local_step_clipper, 1)
+  var_floor = _args.unit_interval("var_floor", var_floor, closed_right=True)
   compressor = codec_compressor(codec, axis_name, transport, seed, codec_kwargs)
   settings = _Settings(learning_rate, b1, b2, eps, weight_decay, var_freeze_step, var_update_scaler,
-                       local_step_scaler, local_step_clipper, axis_name)
+                       local_step_scaler, local_step_clipper, axis_name, var_floor)
 
   def init(params):
     return _init(compressor, params)
@@ -214,22 +220,23 @@ def _phases(s: _Settings, compressor, state: ZeroOneAdamState, axis, lr, g, p, b
   """
   b1, b2, eps, weight_decay = s.b1, s.b2, s.eps, s.weight_decay
 
-  def adam_step(mu, nu):
+  def adam_step(mu, nu, floor=s.var_floor):
     decay = (lambda x: weight_decay * x) if weight_decay else (lambda x: 0.0)  # noqa: E731
-    return jax.tree.map(lambda m, v, x: -lr * ((m / bc1) / (jnp.sqrt(v / bc2) + eps) + decay(x)), mu, nu, p)
+    return jax.tree.map(lambda m, v, x: -lr * ((m / bc1) / frozen_denominator(v, bc2, eps, floor) + decay(x)),
+                        mu, nu, p)
 
-  def averaged(mean, ex, nu_of):  # phase A: the mean gradient reached every worker
+  def averaged(mean, ex, nu_of, floor):  # phase A: the mean gradient reached every worker
     mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, mean)
     nu = jax.tree.map(nu_of, state.nu, mean)
-    return mu, nu, adam_step(mu, nu), state.anchor, state.lrs, ex
+    return mu, nu, adam_step(mu, nu, floor), state.anchor, state.lrs, ex
 
-  def dense(ex):
+  def dense(ex):  # exact Adam: no floor
     mean = jax.tree.map(lambda x: x / axis.size, ops.allreduce_sum(g, axis))
-    return averaged(mean, ex, lambda v, x: b2 * v + (1.0 - b2) * x * x)
+    return averaged(mean, ex, lambda v, x: b2 * v + (1.0 - b2) * x * x, 0.0)
 
   def compressed(ex):
     mean, ex = compressor.update(g, ex)
-    return averaged(mean, ex, lambda v, x: v)
+    return averaged(mean, ex, lambda v, x: v, s.var_floor)
 
   def local(ex):
     mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, g)
@@ -237,7 +244,7 @@ def _phases(s: _Settings, compressor, state: ZeroOneAdamState, axis, lr, g, p, b
 
   def local_sync(ex):
     mu, nu, delta, anchor, lrs, _ = local(ex)
-    scale = jax.tree.map(lambda v: jnp.sqrt(v / bc2) + eps, nu)
+    scale = jax.tree.map(lambda v: frozen_denominator(v, bc2, eps, s.var_floor), nu)
     moved = jax.tree.map(lambda x, d, a, s: (x + d - a) * s, p, delta, anchor, scale)  # -lr * sum(m)
     mean, ex = compressor.update(moved, ex)
     target = jax.tree.map(lambda a, u, s: a + u / s, anchor, mean, scale)

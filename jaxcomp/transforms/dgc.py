@@ -168,6 +168,8 @@ class DGCExchange(Exchange):
 class DGCCodec(Codec):
   """DGC's sampled-threshold selection at one step's ratio, in the codec form (the scatter exchange's)."""
 
+  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+
   def __init__(self, exchange: DGCExchange, ratio):
     self.exchange, self.ratio, self.block = exchange, ratio, exchange.block
 

@@ -176,6 +176,8 @@ def two_level(v: jax.Array):
 class ChunkedLowBitTopKCodec(Codec):
   """The ``ceil(density * chunk)`` largest |x| of each chunk: in-chunk offsets and low-bit values."""
 
+  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+
   density: float
   chunk: int
   bits: int = 2

@@ -198,6 +198,8 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
 class RedSyncCodec(Codec):
   """RedSync's selection in the codec form (the scatter exchange's): no carried thresholds."""
 
+  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+
   vmappable = False  # a search per chunk, one after another
 
   def __init__(self, exchange: RedSyncExchange):

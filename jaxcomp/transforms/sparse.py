@@ -109,6 +109,8 @@ def _offset_dtype(block: int):
 class TopKCodec(Codec):
   """The k largest |x| of each leaf (``scope="layer"``) or of the bucket: values + positions."""
 
+  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+
   ratio: float
   positions: str = "chunk16"
   values: str = "float32"
@@ -160,6 +162,8 @@ class TopKCodec(Codec):
 @dataclasses.dataclass(frozen=True)
 class ChunkedTopKCodec(Codec):
   """The ``ceil(ratio * b)`` largest |x| of each block of ``b``: values + in-block offsets."""
+
+  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
 
   ratio: float
   chunk: int

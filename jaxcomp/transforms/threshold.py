@@ -266,6 +266,8 @@ class ThresholdCodec(Codec):
   the bucket's payload holds the sum of them.
   """
 
+  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+
   v: float
   capacity: float
   relative: bool = False
@@ -394,6 +396,8 @@ class AdaQCodec(Codec):
   or as a 2-bit code per bucket entry (0 none, 1 positive, 2 negative),
   whichever is smaller for the bucket.
   """
+
+  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
 
   ratio: float
   sample_ratio: float
