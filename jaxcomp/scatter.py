@@ -39,7 +39,7 @@ chunk: it selects ``ratio * C`` entries in each owner's region (its static
 capacity; what is not selected stays in the worker's residual), and the
 owner selects ``ratio * C`` of its summed region again.
 
-A selection (a codec with ``selects = True``: top-k) hands back what the
+A selection (a codec with ``selects = True``: top-k, RedSync) hands back what the
 owner did not select, as Ok-Topk and gTop-k return the reduced values left
 out of the global top-k to the local residuals: an entry of the owner's
 phase-2 decode that is 0 is not delivered, so every worker counts its own
@@ -48,7 +48,11 @@ residual, to select again; the owner keeps only what a selected value lost
 (a 16-bit value's rounding). Kept in the owner's residual instead, the
 (N - 1) / N of the summed region that phase 2 cannot select grows behind
 the workers' momentum (they count it as sent and move on to new entries):
-top-k's recipe lost 4 to 14 points on the digits MLP that way (issue 22).
+top-k's recipe lost 4 to 14 points on the digits MLP that way (issue 22),
+and RedSync's diverged on the suite's regression (test MSE 1.95 at 300
+steps, 23279 at 1000, against dense 0.474 and 0.472; handed back: 0.555, 0.483).
+DGC keeps what its owner did not select (handed back: +7.2% on that task at
+300 steps, -1.1 points on digits, against +0.1% and -0.3 kept).
 Without a worker memory (``error_feedback=False``) what the owner does not
 select is dropped, as what a worker does not select is.
 

@@ -199,6 +199,7 @@ class RedSyncCodec(Codec):
   """RedSync's selection in the codec form (the scatter exchange's): no carried thresholds."""
 
   leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+  selects = True  # transport="scatter": what the chunk owner does not select goes back to the workers
 
   vmappable = False  # a search per chunk, one after another
 
