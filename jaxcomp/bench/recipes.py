@@ -31,7 +31,7 @@ def table(momentum: float = 0.9) -> str:
 
 def adamw_table() -> str:
   """Each method's ``recipe(name, lr, optimizer="adamw")``: where its codec sits, and why."""
-  from jaxcomp.recipes import ADAMW_RECIPES
+  from jaxcomp.recipes import ADAMW_RECIPES, VAR_FLOOR
 
   chains = {
       "grad": "chain(method, adamw(lr))",
@@ -43,7 +43,10 @@ def adamw_table() -> str:
   }
   rows = ["| method | AdamW recipe | lr | settings | warm-up | why |", "|---|---|---|---|---|---|"]
   for name, r in ADAMW_RECIPES.items():
-    settings = ", ".join(f"{k}={v!r}" for k, v in r.method_kwargs) or "defaults"
+    kwargs = list(r.method_kwargs)
+    if r.kind == "momentum" or name in ("onebit_adam", "zero_one_adam"):
+      kwargs.append(("var_floor", VAR_FLOOR))  # 1-bit Adam's and 0/1 Adam's frozen variance floor
+    settings = ", ".join(f"{k}={v!r}" for k, v in kwargs) or "defaults"
     lr = "lr" if r.lr_scale == 1.0 else f"{r.lr_scale:g} x lr"
     if r.kind in ("momentum", "optimizer"):
       warm = f"exact Adam to step {r.start_step}, then variance frozen" if r.start_step else "-"
