@@ -218,7 +218,7 @@ def chunk_segments(segs: Segments, workers: int, block: int = 1, by_leaf: bool =
   A chunk is ``ceil(length / workers)`` entries, padded to a multiple of ROW,
   ``block`` and ``segs.block`` (the bucket is zero-padded to ``workers``
   chunks). Every chunk shares one static layout: with ``by_leaf`` it is cut
-  wherever any chunk holds a leaf's boundary (at most leaves + 1 cuts), so no
+  wherever any chunk holds a leaf's boundary (at most 2 x leaves + 1 segments), so no
   segment of any chunk holds two leaves and a codec's per-segment scale or
   norm never mixes leaves of different magnitudes; without, one segment.
   """

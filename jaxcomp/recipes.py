@@ -238,7 +238,7 @@ REFERENCE_STEPS = {"sgd": 600, "adamw": 300}
 
 # 1-bit Adam's and 0/1 Adam's frozen variance is at least this fraction of its leaf's mean: on the
 # suite's MNIST CNN (dead ReLUs: variance 0, a 1-bit momentum of the leaf's scale) every recipe on
-# the momentum diverged to 10% without it (0.01: 94.6-95.0% against dense 94.4%; 0.001: 94.4-95.1%).
+# the momentum diverged to 10% without it (0.01: 94.6-95.2% against dense 94.4%; 0.001: 94.4-95.1%).
 VAR_FLOOR = 0.01
 ADAMW = {"b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 1e-4}  # optax.adamw's defaults
 

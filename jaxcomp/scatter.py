@@ -30,7 +30,7 @@ value of the gradient is either delivered or held in one of the two.
 
 A chunk is cut where any chunk holds a leaf's boundary
 (:func:`jaxcomp.layout.chunk_segments`: one static layout for every chunk, at
-most leaves + 1 segments): a codec's per-leaf scale or norm applies per leaf
+most 2 x leaves + 1 segments): a codec's per-leaf scale or norm applies per leaf
 within each chunk, as in ZeRO++'s blockwise quantization, and never mixes
 leaves (one scale over a whole chunk: 1-bit 63.4% and signSGD 84.6% on the
 suite's MNIST CNN, 300 steps, against 93.7% and 92.9% cut at leaves; dense
