@@ -39,6 +39,9 @@ def _data(t):
 OPTIMIZERS = {
     "onebit_adam": lambda: jaxcomp.onebit_adam(1e-3, freeze_step=1),
     "zero_one_adam": lambda: jaxcomp.zero_one_adam(1e-3, var_freeze_step=1, local_step_clipper=2),
+    "zero_one_adam_var_floor": lambda: jaxcomp.zero_one_adam(1e-3, var_freeze_step=1, var_floor=0.01),
+    # what users start from: 1-bit Adam's recipe, its freeze at step 1 of 3 and its variance floor
+    "recipe_onebit_adamw": lambda: jaxcomp.recipe("onebit", 1e-3, optimizer="adamw", total_steps=3),
     "demo": lambda: jaxcomp.demo(1e-3, compression_topk=4, compression_chunk=16),
     "diloco": lambda: jaxcomp.diloco(optax.adamw(1e-3), sync_every=2),
     "sparseloco": lambda: jaxcomp.sparseloco(optax.adamw(1e-3), sync_every=2, chunk=64),
