@@ -28,6 +28,7 @@ SUBCOMMANDS = {
     "lm": "jaxcomp.bench.lm",  # the transformer language model task
     "slices": "jaxcomp.bench.slices",  # a sharded 8B model across slices, priced by the network model
     "suite": "jaxcomp.bench.suite",  # every recipe on five real tasks, horizons, batches, transports
+    "diloco-suite": "jaxcomp.bench.diloco_suite",  # DiLoCo's settings on the suite's tasks, one held out
 }
 
 

@@ -99,10 +99,48 @@ def _every_leaf_bytes(name, task, optimizer, steps, transport, params) -> int:
                                 workers=WORKERS))
 
 
+def fit(task, tx, params, steps: int, batch: int, seed: int, chunk: int = 100):
+  """Trains ``params`` with ``tx`` on ``task`` (8 workers under ``jax.pmap``, ``batch`` each per step).
+
+  Returns ``(P, S, losses, compile_seconds)``: the per-worker parameters and state after ``steps``
+  steps and the (workers, steps) training losses.
+  """
+  import jax
+  import optax
+
+  import jaxcomp
+
+  train_split = task.data()[0]
+  chunk = math.gcd(steps, chunk)
+
+  def run_steps(p, s, data, idx):
+    def step(carry, i):
+      p, s = carry
+      x, y = task.batch(data, i)
+      loss, g = jax.value_and_grad(task.loss)(p, x, y)
+      u, s = tx.update(g, s, p)
+      return (optax.apply_updates(p, u), s), loss
+
+    (p, s), losses = jax.lax.scan(step, (p, s), idx)
+    return p, s, losses
+
+  data = jaxcomp.per_worker(tuple(np.asarray(a) for a in train_split), WORKERS)
+  P, S = jaxcomp.per_worker(params, WORKERS), jaxcomp.per_worker(tx.init(params), WORKERS)
+  idx0 = task.sample(train_split, chunk, WORKERS, batch, seed, 0)
+  tc = time.perf_counter()
+  compiled = jax.pmap(run_steps, axis_name="data", donate_argnums=(0, 1)).lower(P, S, data, idx0).compile()
+  compile_seconds = time.perf_counter() - tc
+  losses = []
+  for first in range(0, steps, chunk):
+    idx = idx0 if first == 0 else task.sample(train_split, chunk, WORKERS, batch, seed, first)
+    P, S, loss = compiled(P, S, data, idx)
+    losses.append(np.asarray(loss))
+  return P, S, np.concatenate(losses, axis=1), compile_seconds
+
+
 def train(run: Run, chunk: int = 100) -> Run:
   """Trains ``run``'s configuration and fills in its metric, bytes and times (errors in ``run.error``)."""
   import jax
-  import optax
 
   import jaxcomp
   from jaxcomp.bench.tasks import TASKS
@@ -110,37 +148,13 @@ def train(run: Run, chunk: int = 100) -> Run:
   t0 = time.perf_counter()
   try:
     task = TASKS[run.task]
-    train_split, test_split = task.data()
+    test_split = task.data()[1]
     params = task.init(run.seed)
     tx = _recipe(run.method, task, run.optimizer, run.steps, run.transport)
     run.bytes = int(jaxcomp.wire_bytes(tx, params, workers=WORKERS))
     run.every_leaf_bytes = _every_leaf_bytes(run.method, task, run.optimizer, run.steps, run.transport,
                                              params)
-    chunk = math.gcd(run.steps, chunk)
-
-    def steps(p, s, data, idx):
-      def step(carry, i):
-        p, s = carry
-        x, y = task.batch(data, i)
-        loss, g = jax.value_and_grad(task.loss)(p, x, y)
-        u, s = tx.update(g, s, p)
-        return (optax.apply_updates(p, u), s), loss
-
-      (p, s), losses = jax.lax.scan(step, (p, s), idx)
-      return p, s, losses
-
-    data = jaxcomp.per_worker(tuple(np.asarray(a) for a in train_split), WORKERS)
-    P, S = jaxcomp.per_worker(params, WORKERS), jaxcomp.per_worker(tx.init(params), WORKERS)
-    idx0 = task.sample(train_split, chunk, WORKERS, run.batch, run.seed, 0)
-    tc = time.perf_counter()
-    compiled = jax.pmap(steps, axis_name="data", donate_argnums=(0, 1)).lower(P, S, data, idx0).compile()
-    run.compile_seconds = time.perf_counter() - tc
-    losses = []
-    for first in range(0, run.steps, chunk):
-      idx = idx0 if first == 0 else task.sample(train_split, chunk, WORKERS, run.batch, run.seed, first)
-      P, S, loss = compiled(P, S, data, idx)
-      losses.append(np.asarray(loss))
-    losses = np.concatenate(losses, axis=1)
+    P, _, losses, run.compile_seconds = fit(task, tx, params, run.steps, run.batch, run.seed, chunk)
     run.train_loss = float(np.mean(losses[:, -max(1, run.steps // 10):]))
     run.metric = float(task.metric(jax.tree.map(lambda a: a[0], jax.device_get(P)), test_split))
   except Exception as e:  # noqa: BLE001 -- one broken configuration must not stop the suite
