@@ -101,16 +101,18 @@ def leaf_costs(compressor, leaves) -> list:
   return [wire_bytes(compressor, [jax.ShapeDtypeStruct(np.shape(x), jnp.float32)]) for x in leaves]
 
 
-def sync_table(sync_every: int, fragments: int) -> np.ndarray:
+def sync_table(sync_every: int, fragments: int, shift: int = 0) -> np.ndarray:
   """``table[t % H]``: the fragment that syncs after step ``t`` (0-based), or ``fragments`` for none.
 
   Fragment ``p`` has the offset ``o_p = p * H // P`` and syncs after the steps ``t`` with
   ``(t + 1) % H == o_p``: fragment 0 after steps ``H - 1, 2H - 1, ...`` (the first sync after ``H``
   inner steps), the others every ``H`` steps from step ``o_p - 1`` on. Offsets are distinct (P <= H).
+  ``shift`` moves every entry ``shift`` steps later: with ``delay=tau`` a fragment sends in step
+  ``t + 1`` (``shift=1``) and lands in step ``t + tau`` (``shift=tau``).
   """
   table = np.full((sync_every,), fragments, np.int32)
   for p in range(fragments):
-    table[(p * sync_every // fragments - 1) % sync_every] = p
+    table[(p * sync_every // fragments - 1 + shift) % sync_every] = p
   return table
 
 
@@ -126,32 +128,52 @@ def _check_compressor(compressor, axis_name):
   return compressor
 
 
-def _sync_leaves(idx, cleaves, u_leaves, local_leaves, anchor_leaves, outer_state, comp_state, compressor,
-                 outer):
-  """One fragment's sync: its new anchor leaves, outer and compressor states, and the output leaves."""
+def _reduce_fragment(idx, delta_leaves, anchor_leaves, outer_state, comp_state, compressor, outer):
+  """One fragment's reduction and outer step: its new anchor leaves, outer and compressor states.
+
+  ``delta_leaves`` are the fragment's float32 pseudo-gradients (``anchor - params``).
+  """
   frag_anchor = [anchor_leaves[i] for i in idx]
-  delta = [anchor_leaves[i] - local_leaves[i].astype(jnp.float32) for i in idx]
-  mean, comp_state = compressor.update(delta, comp_state, frag_anchor)
+  mean, comp_state = compressor.update(delta_leaves, comp_state, frag_anchor)
   step, new_outer = outer.update(mean, outer_state, frag_anchor)
   moved = [a + s.astype(jnp.float32) for a, s in zip(frag_anchor, step)]
   # A non-finite mean (NaN on every worker alike) skips the sync: anchor and outer state kept.
   ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(m)) for m in mean]))
   moved = [jnp.where(ok, m, a) for m, a in zip(moved, frag_anchor)]
   new_outer = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_outer, outer_state)
-  out = list(u_leaves)
   new_anchor = list(anchor_leaves)
   for i, m in zip(idx, moved):
     new_anchor[i] = m
-    out[i] = m - cleaves[i]  # params + out lands on the anchor (see diloco's docstring)
-  return out, new_anchor, new_outer, comp_state
+  return new_anchor, new_outer, comp_state
+
+
+def _land(idx, cleaves, u_leaves, local_leaves, anchor_leaves, alpha: float) -> list:
+  """The output that lands the fragment's leaves on ``alpha * local + (1 - alpha) * anchor``.
+
+  With ``alpha == 0`` the output is ``anchor - params``: ``params + out`` is the anchor (see
+  :func:`diloco`'s docstring for the bound); the other leaves keep the inner update ``u``.
+  """
+  out = list(u_leaves)
+  for i in idx:
+    target = anchor_leaves[i]
+    if alpha:
+      target = alpha * local_leaves[i].astype(jnp.float32) + (1.0 - alpha) * target
+    out[i] = target - cleaves[i]
+  return out
+
+
+def _replace(items: tuple, p: int, item) -> tuple:
+  return items[:p] + (item,) + items[p + 1:]
 
 
 class _Loop:
   """The init, update and bytes of one :func:`diloco` configuration."""
 
-  def __init__(self, inner, outer, comp, h: int, num_frag: int):
+  def __init__(self, inner, outer, comp, h: int, num_frag: int, delay: int = 0, alpha: float = 0.0):
     self.inner, self.outer, self.comp, self.h, self.num_frag = inner, outer, comp, h, num_frag
-    self.table = sync_table(h, num_frag)
+    self.delay, self.alpha = delay, alpha
+    self.send = sync_table(h, num_frag, 1 if delay else 0)
+    self.land = sync_table(h, num_frag, delay)
     self.wrap = (2 ** 31 - 1) // h * h
     self.cache = {}
 
@@ -176,41 +198,59 @@ class _Loop:
                        outer=tuple(self.outer.init(f) for f in frags),
                        compressor=tuple(self.comp.init(f) for f in frags))
 
+  def _reduce(self, p, frags, delta_of, anchor_leaves, state):
+    """A branch of the send switch: fragment ``p``'s reduction (its pseudo-gradients from ``delta_of``)."""
+    def run():
+      delta = [delta_of(i) for i in frags[p]]
+      anchor, outer_p, comp_p = _reduce_fragment(frags[p], delta, anchor_leaves, state.outer[p],
+                                                 state.compressor[p], self.comp, self.outer)
+      return anchor, _replace(state.outer, p, outer_p), _replace(state.compressor, p, comp_p)
+    return run
+
   def update(self, grads, state, params=None, **extra_args):
     if params is None:
       raise ValueError("diloco needs the parameters: call tx.update(grads, state, params); a sync's"
                        " output is computed from them so that every replica lands on the shared anchor")
-    u, inner_state = self.inner.update(grads, state.inner, params, **extra_args)
     p_leaves, treedef = jax.tree.flatten(params)
-    local_leaves = treedef.flatten_up_to(optax.apply_updates(params, u))
     cleaves = [jnp.asarray(p, jnp.float32) for p in p_leaves]
     anchor_leaves = treedef.flatten_up_to(state.anchor)
-    u32 = [jnp.asarray(x, jnp.float32) for x in treedef.flatten_up_to(u)]
     frags = self.fragments(p_leaves)
+    phase = state.count % self.h
+    keep = lambda: (list(anchor_leaves), state.outer, state.compressor)  # noqa: E731
 
-    def branch(p):
-      def run():
-        out, anchor, outer_p, comp_p = _sync_leaves(
-            frags[p], cleaves, u32, local_leaves, anchor_leaves, state.outer[p], state.compressor[p],
-            self.comp, self.outer)
-        outers = state.outer[:p] + (outer_p,) + state.outer[p + 1:]
-        comps = state.compressor[:p] + (comp_p,) + state.compressor[p + 1:]
-        return out, anchor, outers, comps
-      return run
+    if self.delay:
+      # Streaming DiLoCo's overlap: the pseudo-gradient is the parameters' at the start of this step, so
+      # its reduction (the send switch) reads neither the gradients nor the inner update; it lands
+      # ``delay - 1`` steps after this one. The count skips fragment 0's send at step 0 (nothing to send).
+      delta_of = lambda i: anchor_leaves[i] - cleaves[i]  # noqa: E731
+      which = jnp.where(state.count >= 1, jnp.asarray(self.send)[phase], self.num_frag)
+      anchor_leaves, outers, comps = lax.switch(
+          which, [self._reduce(p, frags, delta_of, anchor_leaves, state) for p in range(self.num_frag)]
+          + [keep])
 
-    def local_step():
-      return u32, list(anchor_leaves), state.outer, state.compressor
+    u, inner_state = self.inner.update(grads, state.inner, params, **extra_args)
+    local_leaves = treedef.flatten_up_to(optax.apply_updates(params, u))
+    u32 = [jnp.asarray(x, jnp.float32) for x in treedef.flatten_up_to(u)]
 
-    which = jnp.asarray(self.table)[state.count % self.h]
-    branches = [branch(p) for p in range(self.num_frag)] + [local_step]
-    out, anchor, outers, comps = lax.switch(which, branches)
-    count = jnp.where(state.count + 1 >= self.wrap, 0, state.count + 1).astype(jnp.int32)
-    new_state = DiLoCoState(count, treedef.unflatten(anchor), inner_state, outers, comps)
+    if not self.delay:
+      delta_of = lambda i: anchor_leaves[i] - local_leaves[i].astype(jnp.float32)  # noqa: E731
+      which = jnp.asarray(self.send)[phase]
+      anchor_leaves, outers, comps = lax.switch(
+          which, [self._reduce(p, frags, delta_of, anchor_leaves, state) for p in range(self.num_frag)]
+          + [keep])
+
+    landing = jnp.where(state.count >= self.delay, jnp.asarray(self.land)[phase], self.num_frag)
+    branches = [lambda idx=idx: _land(idx, cleaves, u32, local_leaves, anchor_leaves, self.alpha)
+                for idx in frags] + [lambda: u32]
+    out = lax.switch(landing, branches)
+    count = jnp.where(state.count + 1 >= self.wrap, state.count + 1 - self.wrap + self.h,
+                      state.count + 1).astype(jnp.int32)
+    new_state = DiLoCoState(count, treedef.unflatten(anchor_leaves), inner_state, outers, comps)
     return treedef.unflatten(out), new_state
 
   def bytes_at(self, step, params, workers=None):
-    p = int(self.table[int(step) % self.h])
-    if p == self.num_frag:
+    p = int(self.send[int(step) % self.h])
+    if p == self.num_frag or (self.delay and int(step) == 0):
       return 0
     leaves = [jax.ShapeDtypeStruct(np.shape(x), jnp.float32) for x in jax.tree.leaves(params)]
     frag = [leaves[i] for i in self.fragments(leaves)[p]]
@@ -219,7 +259,7 @@ class _Loop:
 
 def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformation | None = None,
            sync_every: int = 16, compressor: Any = None, axis_name: AxisName = None,
-           fragments: int = 1) -> CompressedOptimizer:
+           fragments: int = 1, delay: int = 0, alpha: float = 0.0) -> CompressedOptimizer:
   """DiLoCo: local steps of ``inner``; every ``sync_every`` steps an outer step on the mean pseudo-gradient.
 
   Every step each worker runs ``u = inner.update(grads, ...)`` on its own
@@ -251,6 +291,17 @@ def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformat
       (``jaxcomp.none``).
     axis_name: the axis between replicas (a pmap/shard_map axis), or None for one worker.
     fragments: P in [1, H], the fragments synced in turn (Streaming DiLoCo); 1: plain DiLoCo.
+    delay: tau in [0, H], Streaming DiLoCo's overlap. 0: the sync follows the H-th step and lands
+      in it. tau >= 1: the fragment's pseudo-gradient ``anchor - params`` is taken from the
+      parameters at the start of step ``t + 1`` (those after step ``t``, the step a sync with
+      ``delay=0`` follows), its reduction and the outer step run in step ``t + 1``'s program
+      without reading that step's gradients (XLA may run the collective beside the forward and
+      backward pass), and the new anchor lands on the replicas at the end of step ``t + tau``:
+      the tau inner steps in between overlap the exchange. ``delay=1`` overlaps the step it runs
+      in. The anchor in the state is the new one from the send on.
+    alpha: in [0, 1), the share of the local fragment kept where a sync lands: the replica
+      becomes ``alpha * local + (1 - alpha) * anchor'`` (Streaming DiLoCo's merge; the paper
+      uses 0.5 with tau >= 1). 0: every replica lands on the anchor.
 
   Returns:
     A :class:`jaxcomp.transformation.CompressedOptimizer` (extra arguments of ``update`` go to
@@ -274,9 +325,11 @@ def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformat
   """
   h = _args.integer("sync_every", sync_every, 1)
   num_frag = _args.integer("fragments", fragments, 1, h)
+  tau = _args.integer("delay", delay, 0, h)
+  mix = _args.unit_interval("alpha", alpha)
   comp = _check_compressor(compressor, axis_name)
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
-  loop = _Loop(optax.with_extra_args_support(inner), outer, comp, h, num_frag)
+  loop = _Loop(optax.with_extra_args_support(inner), outer, comp, h, num_frag, tau, mix)
   tx = compressed_optimizer(optax.GradientTransformationExtraArgs(loop.init, loop.update), comp)
   tx.bytes_at = loop.bytes_at
   return tx

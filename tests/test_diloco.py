@@ -384,12 +384,14 @@ def test_local_steps_run_no_collective(fragments):
   comps = _computations(hlo)
   entry = next(name for name in comps if re.search(rf"^ENTRY %?{re.escape(name)} ", hlo, re.M))
   switches = re.findall(r"conditional\(.*branch_computations=\{([^}]*)\}", hlo)
-  assert switches, "the step count should pick a branch of one switch"
+  assert switches, "the step count should pick a branch of a switch"
   branches = [re.findall(r"%([\w.\-]+)", s) for s in switches]
-  main = max(branches, key=len)
-  assert len(main) == fragments + 1
   with_collectives = {c for c in comps if _COLLECTIVE.search(comps[c])}
   assert with_collectives, "a sync must communicate"
+  # the send switch: the one whose branches reach collectives (the landing switch's reach none)
+  main = [b for b in branches if any(_reachable(comps, c) & with_collectives for c in b)]
+  assert len(main) == 1 and len(main[0]) == fragments + 1, main
+  main = main[0]
   local = _reachable(comps, main[-1])
   assert not local & with_collectives, "the local branch reaches a collective"
   syncs = set().union(*(_reachable(comps, b) for b in main[:-1]))

@@ -15,7 +15,8 @@ for the regression, test loss for the language models, as its relative
 change against dp. Target (:data:`TARGET`): within 2%.
 
 - ``--codecs``: ``dense`` (the float32 mean), ``topk``, ``qsgd``, ``fp4`` (each at its factory's
-  defaults, with its error feedback), ``sparseloco[:density=D][:decay=B][:bits=K][:chunk=C]``
+  defaults, with its error feedback),
+  ``sparseloco[:density=D][:decay=B][:bits=K][:chunk=C][:mean=workers|senders]``
   (:func:`jaxcomp.transforms.fp4.chunked_topk`, SparseLoCo's compressor).
 - ``--outers``: ``avg`` (``optax.sgd(1)``: plain averaging), ``sgd:LR[:M]`` (heavy-ball momentum M),
   ``nesterov:LR:M`` (the paper's ``nesterov:0.7:0.9``).
@@ -98,12 +99,12 @@ def compressor(spec: str):
     return None
   if name != "sparseloco":
     return getattr(jaxcomp, name)(axis_name=AXIS)
-  kw = {"density": 0.02, "bits": 2, "chunk": 4096, "decay": 0.95}
+  kw = {"density": 0.02, "bits": 2, "chunk": 4096, "decay": 0.95, "mean": "workers"}
   for o in opts:
     k, _, v = o.partition("=")
     if k not in kw:
       raise SystemExit(f"--codecs: sparseloco's settings are {sorted(kw)}, got {k!r} in {spec!r}")
-    kw[k] = type(kw[k])(float(v)) if k != "density" and k != "decay" else float(v)
+    kw[k] = v if k == "mean" else type(kw[k])(float(v))
   return chunked_topk(axis_name=AXIS, **kw)
 
 

@@ -181,6 +181,7 @@ class ChunkedLowBitTopKCodec(Codec):
   density: float
   chunk: int
   bits: int = 2
+  per_entry: bool = False  # the mean of each entry over the workers that sent it (SparseLoCo's)
   selects = True
 
   def _layout(self, n: int):
@@ -229,12 +230,16 @@ class ChunkedLowBitTopKCodec(Codec):
       pos, vals = self._dense(gathered.payload(w), segs.length)
       return vals, pos
 
-    return scatter_mean(sparse, gathered, segs.length, num)
+    return scatter_mean(sparse, gathered, segs.length, num, self.per_entry)
+
+
+MEANS = ("workers", "senders")
 
 
 def chunked_topk(density: float = 0.02, bits: int = 2, chunk: int = 4096, decay: float = 0.95,
                  axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
-                 min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
+                 min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather",
+                 mean: str = "workers"):
   """Top-k per chunk with low-bit values and decaying error feedback (SparseLoCo's compressor).
 
   Each bucket is cut into chunks of ``chunk`` consecutive entries; each
@@ -248,7 +253,10 @@ def chunked_topk(density: float = 0.02, bits: int = 2, chunk: int = 4096, decay:
   ``x = decay * e + g``, ``e <- x - sent`` (SparseLoCo's accumulator, which
   stands in for outer momentum); ``decay=1`` is plain error feedback.
   Payloads are all-gathered and each worker decodes and averages them in
-  float32, in worker order.
+  float32, in worker order: ``mean="workers"`` divides each entry's sum by
+  the number of workers (the mean of the decoded vectors), ``"senders"``
+  by the number of workers that sent that entry (SparseLoCo's reference
+  code: an entry one worker of eight selected moves by its full value).
 
   Args:
     density: fraction of each chunk sent, in (0, 1] (SparseLoCo: 1-3%).
@@ -258,6 +266,7 @@ def chunked_topk(density: float = 0.02, bits: int = 2, chunk: int = 4096, decay:
     axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name: see :func:`jaxcomp.build`;
       every leaf is compressed by default.
     transport: ``"gather"`` or ``"scatter"``, see :mod:`jaxcomp.scatter`.
+    mean: ``"workers"`` or ``"senders"``, the divisor of each entry's sum (above).
 
   References:
     Sarfi, Thérien, Lidin, Belilovsky, *Communication Efficient LLM
@@ -268,7 +277,8 @@ def chunked_topk(density: float = 0.02, bits: int = 2, chunk: int = 4096, decay:
     raise ValueError(f"bits must be one of {VALUE_BITS}, got bits={bits!r}")
   b = _args.integer("chunk", chunk, 1, 65536)
   beta = _args.unit_interval("decay", decay, closed_right=True)
-  codec = ChunkedLowBitTopKCodec(r, b, int(bits))
+  per_entry = _args.choice("mean", mean, MEANS) == "senders"
+  codec = ChunkedLowBitTopKCodec(r, b, int(bits), per_entry)
   method = Method("chunked_topk", flat_route(CodecExchange(codec)), Memory(beta=beta),
                   min_size=layout.EVERY_LEAF)
   return build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,

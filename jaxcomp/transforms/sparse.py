@@ -47,7 +47,7 @@ VALUE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def scatter_mean(sparse: Callable[[jax.Array], tuple], gathered: packing.Gathered, n: int,
-                 num: int) -> jax.Array:
+                 num: int, per_entry: bool = False) -> jax.Array:
   """Mean over the workers of ``gathered`` sparse payloads, accumulated into one dense vector.
 
   ``sparse(w)`` gives worker ``w``'s ``(values, indices)``, ``(k,)`` each
@@ -55,13 +55,21 @@ def scatter_mean(sparse: Callable[[jax.Array], tuple], gathered: packing.Gathere
   :meth:`Gathered.payload <jaxcomp.collectives.packing.Gathered.payload>`:
   no ``(N, k)`` decoded arrays). One scatter-add per worker in a fixed
   order: no ``N x n`` array, and the same float result on every worker.
+  ``per_entry``: each entry's sum over the workers that sent it divided by
+  their number (SparseLoCo's reference mean) instead of by ``num``.
   """
-  def body(w, acc):
+  def body(w, carry):
+    acc, senders = carry
     values, indices = sparse(w)
-    return acc.at[indices.astype(jnp.int32)].add(values.astype(jnp.float32), mode="drop")
+    idx = indices.astype(jnp.int32)
+    acc = acc.at[idx].add(values.astype(jnp.float32), mode="drop")
+    if per_entry:
+      senders = senders.at[idx].add(1.0, mode="drop")
+    return acc, senders
 
   zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), gathered.buffers)
-  return lax.fori_loop(0, gathered.workers, body, zeros) / num
+  total, senders = lax.fori_loop(0, gathered.workers, body, (zeros, zeros if per_entry else zeros[:0]))
+  return total / jnp.maximum(senders, 1.0) if per_entry else total / num
 
 
 # ----------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 ``ckpt_resume.py`` (its tiny model, its pmap and shard_map steps, its
 save/restore), with DiLoCo configurations in place of the methods: H = 4, so
 the checkpoint after 3 steps falls mid-period and the 3 resumed steps hold a
-sync (Streaming P = 2: one sync of each fragment).
+sync (Streaming P = 2: one sync of each fragment; with ``delay=2`` a fragment
+sent before the checkpoint lands after it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ H = 4
 
 
 def optimizer(name: str):
-  """DiLoCo (top-k, Nesterov outer), Streaming DiLoCo (P = 2, fp4) or SparseLoCo, AdamW inside."""
+  """DiLoCo (top-k, Nesterov outer), Streaming DiLoCo (P = 2, fp4; also with delay 2, alpha 0.5) or
+  SparseLoCo, AdamW inside."""
   inner = optax.adamw(1e-2)
   if name == "diloco":
     return jaxcomp.diloco(inner, sync_every=H, compressor=jaxcomp.topk(0.2, axis_name=AXIS, min_size=1),
@@ -33,11 +35,15 @@ def optimizer(name: str):
   if name == "streaming":
     return jaxcomp.diloco(inner, sync_every=H, compressor=jaxcomp.fp4(axis_name=AXIS, min_size=1),
                           axis_name=AXIS, fragments=2)
+  if name == "streaming-delay":  # a fragment sent in step 2 lands in step 3, after the checkpoint
+    return jaxcomp.diloco(inner, sync_every=H, compressor=jaxcomp.fp4(axis_name=AXIS, min_size=1),
+                          axis_name=AXIS, fragments=2, delay=2, alpha=0.5)
   return jaxcomp.sparseloco(inner, sync_every=H, axis_name=AXIS, density=0.1, chunk=64)
 
 
 def cases():
-  return [("diloco", "pmap"), ("streaming", "pmap"), ("sparseloco", "pmap"), ("diloco", "shard_map")]
+  return [("diloco", "pmap"), ("streaming", "pmap"), ("streaming-delay", "pmap"), ("sparseloco", "pmap"),
+          ("diloco", "shard_map")]
 
 
 cr.optimizer = optimizer  # ckpt_resume's steps and templates build their optimizer through these

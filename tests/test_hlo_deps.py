@@ -1,0 +1,42 @@
+"""jaxcomp.hlo_deps: which collectives of a compiled program read which entry parameters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from harness import AXIS, mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp import hlo_deps
+
+
+def _reads(body, n_args=2):
+  """Compiles ``body(x, y)`` under shard_map over 8 devices; which collectives read x (parameter 0)."""
+  f = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(P(AXIS),) * n_args, out_specs=P(AXIS)))
+  hlo = f.lower(jnp.ones((8, 5)), jnp.full((8, 5), 2.0)).compile().as_text()
+  x = [i for i, shape in hlo_deps.entry_parameters(hlo)][:1]
+  return hlo_deps.collectives_reading(hlo, x)
+
+
+def test_a_while_loop_keeps_its_carried_values_apart():
+  """A loop carrying one value from x and one from y: the psum of the y part does not read x, the psum
+  of the x part does (the fixed point follows each tuple element)."""
+  def body(x, y):
+    a, b = jax.lax.fori_loop(0, 3, lambda i, c: (c[0] * 1.5 + i, jnp.sin(c[1]) + i), (x, y))
+    return jnp.stack([jax.lax.psum(jnp.sum(b), AXIS), jax.lax.pmax(jnp.sum(a * a), AXIS) * 3.0]) + a[0, :2]
+  reads = _reads(body)
+  assert sorted(reads.values()) == [False, True], reads
+
+
+def test_conditional_branches_see_their_own_operands():
+  """lax.cond whose collective branch reads y only; the other branch reads x: the psum does not read x;
+  a branch index computed from x makes everything inside read x (the psum cannot start before x)."""
+  def clean(x, y):
+    return jax.lax.cond(jnp.sum(y) > 0, lambda: jax.lax.psum(jnp.sum(y * y), AXIS) + y[0, 0],
+                        lambda: jnp.sum(x)).reshape(1)
+  assert list(_reads(clean).values()) == [False]
+
+  def dirty(x, y):
+    return jax.lax.cond(jnp.sum(x) > 0, lambda: jax.lax.psum(jnp.sum(y * y), AXIS) + y[0, 0],
+                        lambda: jnp.sum(y)).reshape(1)
+  assert list(_reads(dirty).values()) == [True]
