@@ -2,7 +2,7 @@
 
 ``python -m jaxcomp.bench diloco-suite [--tasks digits,diabetes,...|all] [--codecs dense,topk,...]
 [--outers avg,nesterov:0.7:0.9,...] [--sync-every 16] [--fragments 1] [--delay 0] [--alpha 0]
-[--steps 1000] [--batch small] [--seed 0] [--out DIR] [--resume] [--merge a.json,b.json]``
+[--inner-lr 1] [--steps 1000] [--batch small] [--seed 0] [--out DIR] [--resume] [--merge a.json,b.json]``
 
 Every configuration (the product of the lists) trains each task of
 :mod:`jaxcomp.bench.tasks` with :func:`jaxcomp.diloco` (8 workers under
@@ -18,6 +18,7 @@ change against dp. Target (:data:`TARGET`): within 2%.
   defaults, with its error feedback),
   ``sparseloco[:density=D][:decay=B][:bits=K][:chunk=C][:mean=workers|senders]``
   (:func:`jaxcomp.transforms.fp4.chunked_topk`, SparseLoCo's compressor).
+- ``--inner-lr``: multiples of the task's AdamW learning rate for the inner AdamW (dp keeps 1).
 - ``--outers``: ``avg`` (``optax.sgd(1)``: plain averaging), ``sgd:LR[:M]`` (heavy-ball momentum M),
   ``nesterov:LR:M`` (the paper's ``nesterov:0.7:0.9``).
 
@@ -108,8 +109,9 @@ def compressor(spec: str):
   return chunked_topk(axis_name=AXIS, **kw)
 
 
-def config_name(codec: str, outer: str, h: int, p: int, delay: int, alpha: float) -> str:
-  return f"{codec}/{outer}/H{h}/P{p}/d{delay}/a{alpha:g}"
+def config_name(codec: str, outer: str, h: int, p: int, delay: int, alpha: float, inner: float = 1.0) -> str:
+  name = f"{codec}/{outer}/H{h}/P{p}/d{delay}/a{alpha:g}"
+  return name if inner == 1.0 else f"{name}/i{inner:g}"
 
 
 def optimizer(config: str, lr: float):
@@ -119,10 +121,10 @@ def optimizer(config: str, lr: float):
   import jaxcomp
   from jaxcomp.recipes import ADAMW
 
-  inner = optax.adamw(lr, **ADAMW)
   if config == "dp":
-    return optax.chain(jaxcomp.none(axis_name=AXIS), inner)
-  codec, outer, h, p, d, a = config.split("/")
+    return optax.chain(jaxcomp.none(axis_name=AXIS), optax.adamw(lr, **ADAMW))
+  codec, outer, h, p, d, a, *scale = config.split("/")
+  inner = optax.adamw(lr * (float(scale[0][1:]) if scale else 1.0), **ADAMW)
   kw = {}
   if int(d[1:]) or float(a[1:]):
     kw = {"delay": int(d[1:]), "alpha": float(a[1:])}
@@ -258,6 +260,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
   p.add_argument("--fragments", default="1")
   p.add_argument("--delay", default="0")
   p.add_argument("--alpha", default="0")
+  p.add_argument("--inner-lr", default="1", help="multiples of the task's AdamW learning rate, inside")
   p.add_argument("--steps", type=int, default=1000)
   p.add_argument("--batch", default="small", choices=("small", "large"))
   p.add_argument("--seed", type=int, default=0)
@@ -282,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
     outer_optimizer(o)
   grid = itertools.product(codecs, outers, [int(x) for x in args.sync_every.split(",")],
                            [int(x) for x in args.fragments.split(",")], [int(x) for x in args.delay.split(",")],
-                           [float(x) for x in args.alpha.split(",")])
+                           [float(x) for x in args.alpha.split(",")], [float(x) for x in args.inner_lr.split(",")])
   configs = ["dp"] + [config_name(*g) for g in grid]
   todo = [Run(t, c, args.steps, TASKS[t].batches[0 if args.batch == "small" else 1], args.seed)
           for t in tasks for c in configs]
