@@ -18,6 +18,7 @@ from jaxcomp.optimizers.demo import demo
 from jaxcomp.optimizers.onebit_adam import onebit_adam, scale_by_onebit_adam
 from jaxcomp.optimizers.zero_one_adam import zero_one_adam
 from jaxcomp.own_step import on_shards, per_slice
+from jaxcomp.replica_mean import compressed_mean
 from jaxcomp.parallel import DataParallel, data_parallel
 from jaxcomp.protocol import CompressState
 from jaxcomp.rebuild import configure, staged, steady
@@ -95,6 +96,7 @@ __all__ = [
     "cpu_devices",
     "data_parallel",
     "on_shards",
+    "compressed_mean",
     "per_slice",
     "local",
     "per_worker",
