@@ -31,6 +31,16 @@ its own outer and compressor state; the peak bytes of a sync are the
 fragment's, about ``1/P`` of a full sync. Only sync steps communicate: the
 step count picks a branch of one ``lax.switch`` (the same on every worker).
 
+Overlap (``delay=tau``, Streaming DiLoCo's): a fragment's pseudo-gradient
+is taken from the parameters at the start of its send step, so its
+reduction (a switch of its own, ahead of the inner update) reads neither
+the step's gradients nor its inner update: in the compiled step nothing
+orders the collective after the backward pass
+(``tests/test_diloco_delay.py`` proves it on the HLO with
+:mod:`jaxcomp.hlo_deps`). The anchor moves at the send; the replicas land
+on it (``alpha``: keep that share of the local fragment) at the end of the
+step ``tau - 1`` steps later, a second switch on the step count.
+
 A sync whose mean is not finite (NaN on every worker alike) keeps the
 anchor and the outer state, and lands every replica whose parameters are
 finite back on the anchor; parameters already NaN stay NaN (an added update

@@ -214,6 +214,31 @@ def test_chunked_topk_low_bit_values_and_decaying_residual(bits):
   assert jaxcomp.wire_bytes(tx, params) == 4 * 13 + values
 
 
+@pytest.mark.parametrize("mean", ["workers", "senders"])
+def test_chunked_topk_mean_over_workers_or_over_the_senders_of_each_entry(mean):
+  """8 workers, float32 values: each entry of the mean is the sum of what the workers sent there divided
+  by 8 ("workers") or by the number of workers that sent it ("senders", SparseLoCo's reference); entries
+  nobody sent are 0."""
+  params = {"w": jnp.zeros((512,))}
+  tx = chunked_topk(density=0.05, bits=32, chunk=128, decay=1.0, axis_name=AXIS, mean=mean)
+  grads = worker_grads(params, seed=4)
+  state = jaxcomp.per_worker(tx.init(params), N)
+  out, state = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)(grads, state)
+  g = np.asarray(grads["w"])
+  sent = np.zeros_like(g)
+  for w in range(N):
+    for c in range(4):
+      top = c * 128 + np.argsort(-np.abs(g[w, c * 128:(c + 1) * 128]))[:7]
+      sent[w, top] = g[w, top]
+  senders = np.count_nonzero(sent, axis=0)
+  want = sent.sum(0) / (np.maximum(senders, 1) if mean == "senders" else N)
+  assert np.any(senders > 1) and np.any(senders == 1)
+  for w in range(N):
+    np.testing.assert_allclose(out["w"][w], want, rtol=1e-6, atol=1e-7)
+  with pytest.raises(ValueError, match=r"mean must be one of \('workers', 'senders'\), got mean='all'"):
+    chunked_topk(axis_name=AXIS, mean="all")
+
+
 def test_sparseloco_diloco_and_streaming_train_the_digits_mlp_close_to_dense_data_parallel():
   """8 workers, 320 inner AdamW steps, H = 8: DiLoCo (dense), SparseLoCo (5% per chunk of 256, 2 bits) and
   Streaming DiLoCo (P = 4, fp4) reach the held-out accuracy of data-parallel AdamW within 3 points (0.975
