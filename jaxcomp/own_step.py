@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence, Union
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -43,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import layout, sharded
 from jaxcomp.checks import unbox
 from jaxcomp.compat import use_mesh
+from jaxcomp.diloco import DiLoCoState
 from jaxcomp.sharding import local, stacked
 from jaxcomp.transformation import compressor
 
@@ -67,8 +69,8 @@ def _slices(mesh: Mesh, names: tuple) -> int:
   return n
 
 
-def per_slice(fn: Callable, mesh: Mesh, axis_name: AxisArg, batch_argnums: Union[int, Sequence[int]] = 1
-              ) -> Callable:
+def per_slice(fn: Callable, mesh: Mesh, axis_name: AxisArg, batch_argnums: Union[int, Sequence[int]] = 1,
+              replica_argnums: Union[int, Sequence[int]] = ()) -> Callable:
   """``fn`` run once per slice of the slow axis ``axis_name``, GSPMD over every other mesh axis.
 
   Args:
@@ -81,6 +83,9 @@ def per_slice(fn: Callable, mesh: Mesh, axis_name: AxisArg, batch_argnums: Union
       leading axis holds every slice's rows, slice by slice (the layout of a
       batch sharded over ``(axis_name, ...)``); the others are passed whole to
       every slice.
+    replica_argnums: the positional arguments that hold one entry per slice on a leading axis (the
+      parameters of replicas that differ between syncs, :func:`jaxcomp.diloco`): slice ``i`` gets
+      entry ``i``.
 
   Returns:
     A function with ``fn``'s arguments whose every output has a leading axis
@@ -89,18 +94,27 @@ def per_slice(fn: Callable, mesh: Mesh, axis_name: AxisArg, batch_argnums: Union
   """
   names = _slow_axes(mesh, axis_name, "per_slice")
   argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+  replicas = (replica_argnums,) if isinstance(replica_argnums, int) else tuple(replica_argnums)
+  if set(argnums) & set(replicas):
+    raise ValueError(f"per_slice: an argument cannot be both a batch and a replica: batch_argnums="
+                     f"{batch_argnums!r}, replica_argnums={replica_argnums!r}")
   n = _slices(mesh, names)
   spmd = names[0] if len(names) == 1 else names
 
   def run(*args):
-    for i in argnums:
+    for i in argnums + replicas:
       if i >= len(args):
-        raise ValueError(f"per_slice: batch_argnums={batch_argnums!r} names argument {i}, but fn got"
-                         f" {len(args)} arguments")
+        what = "batch_argnums" if i in argnums else "replica_argnums"
+        raise ValueError(f"per_slice: {what} names argument {i}, but fn got {len(args)} arguments")
     split = list(args)
     for i in argnums:
       split[i] = jax.tree_util.tree_map_with_path(lambda path, x, i=i: _split_rows(x, n, i, path), args[i])
-    in_axes = tuple(0 if i in argnums else None for i in range(len(args)))
+    for i in replicas:
+      for path, x in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+        if not getattr(x, "ndim", 0) or x.shape[0] != n:
+          raise ValueError(f"per_slice: replica argument {i} leaf {jax.tree_util.keystr(path)} has shape"
+                           f" {getattr(x, 'shape', ())}; it needs a leading axis of {n}, one entry per slice")
+    in_axes = tuple(0 if i in argnums + replicas else None for i in range(len(args)))
     with use_mesh(mesh):
       return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=spmd)(*split)
 
@@ -137,6 +151,12 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
     error feedback differs between devices). ``update(grads, state, params)``
     takes the per-slice gradients of :func:`per_slice` (a leading slice axis)
     and returns updates laid out as the parameters, the same on every slice.
+
+    Replicas that differ between syncs (``tx`` holds :func:`jaxcomp.diloco`,
+    found from its state): ``init`` takes one replica's parameters, and
+    ``update`` takes the parameters with a leading slice axis (one replica
+    per slice, sharded over ``axis_name``: ``per_slice``'s
+    ``replica_argnums``) and returns one update per replica, laid out alike.
   """
   names = _slow_axes(mesh, axis_name, "on_shards")
   every = P(tuple(mesh.axis_names))
@@ -169,21 +189,39 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
     return jax.tree.unflatten(boxed, jax.tree.leaves(updates)), state
 
   def _update(grads, state, params):
-    specs = specs_for(grads if params is None else params)
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
       if not getattr(g, "ndim", 0) or g.shape[0] != n:
         raise ValueError(
             f"on_shards: gradient leaf {jax.tree_util.keystr(path)} has shape {getattr(g, 'shape', ())};"
             f" update takes per-slice gradients with a leading axis of {n} (one per slice of"
             f" {slow!r}), as jaxcomp.per_slice returns them")
+    stacked_params = params is not None and _leading(grads, params)
+    # one replica's shapes (structure and shapes only: nothing is sliced)
+    one = _shapes(grads if params is None or stacked_params else params, 1 if params is None or
+                  stacked_params else 0)
+    specs = specs_for(one)
+    replicas = has_local_steps(tx, mesh, specs, one)
+    if replicas and not stacked_params:
+      raise ValueError("on_shards: tx keeps replicas that differ between syncs (jaxcomp.diloco): pass"
+                       " update the parameters with a leading axis of one replica per slice of"
+                       f" {slow!r}, laid out as the gradients (jaxcomp.per_slice(...,"
+                       " replica_argnums=0) takes them so)")
+    if stacked_params and not replicas:
+      raise ValueError("on_shards: the parameters have a leading slice axis, but tx keeps one model"
+                       " (no jaxcomp.diloco in it): pass the parameters as the param_specs lay them out")
     per_slice_specs = jax.tree.map(lambda s: P(slow, *s), specs, is_leaf=lambda s: isinstance(s, P))
 
     whole = _whole_sizes(grads, leading=1)
 
     def one_device(g, s, p):
       with layout.whole_leaves(whole):
-        u, s = tx.update(jax.tree.map(lambda x: x[0], g), local(s), p)
-      return u, stacked(s)
+        u, s = tx.update(jax.tree.map(lambda x: x[0], g), local(s),
+                         jax.tree.map(lambda x: x[0], p) if replicas else p)
+      return (jax.tree.map(lambda x: x[None], u) if replicas else u), stacked(s)
+
+    if replicas:  # one update per replica, laid out as the per-slice gradients
+      return jax.shard_map(one_device, mesh=mesh, in_specs=(per_slice_specs, every, per_slice_specs),
+                           out_specs=(per_slice_specs, every), check_vma=False)(grads, state, params)
 
     if params is None:
       return jax.shard_map(lambda g, s: one_device(g, s, None), mesh=mesh, in_specs=(per_slice_specs, every),
@@ -194,6 +232,29 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
                          out_specs=(specs, every), check_vma=False)(grads, state, params)
 
   return optax.GradientTransformation(init, update)
+
+
+def has_local_steps(tx: optax.GradientTransformation, mesh: Mesh, specs: Any, params: Any) -> bool:
+  """Whether ``tx``'s state holds a :class:`jaxcomp.diloco.DiLoCoState`: replicas that differ between syncs.
+
+  Read from the state's structure (``jax.eval_shape`` of ``tx.init`` inside the mesh), so an optimizer
+  wrapped in any optax wrapper is found.
+  """
+  every = P(tuple(mesh.axis_names))
+  shapes = jax.eval_shape(jax.shard_map(lambda p: stacked(tx.init(p)), mesh=mesh, in_specs=(specs,),
+                                        out_specs=every), params)
+  is_diloco = lambda x: isinstance(x, DiLoCoState)  # noqa: E731
+  return any(is_diloco(x) for x in jax.tree.leaves(shapes, is_leaf=is_diloco))
+
+
+def _leading(grads, params) -> bool:
+  """Whether ``params`` carry the gradients' leading slice axis (replicas) rather than one model."""
+  return all(np.shape(p) == np.shape(g) for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(grads)))
+
+
+def _shapes(tree, leading: int = 0):
+  """Shape structs of ``tree``'s leaves past ``leading`` axes."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[leading:], x.dtype), tree)
 
 
 def _whole_sizes(tree, leading: int = 0) -> dict:

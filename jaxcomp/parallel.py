@@ -30,8 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import sharded
 from jaxcomp.collectives.axis import axis_names
-from jaxcomp.diloco import DiLoCoState
-from jaxcomp.own_step import on_shards, per_slice
+from jaxcomp.own_step import has_local_steps, on_shards, per_slice
 from jaxcomp.sharding import local, stacked
 from jaxcomp.transformation import compressor
 
@@ -151,19 +150,6 @@ def _replicated(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool) -> DataParal
     return (delegate["dp"].lower if "dp" in delegate else step.lower)(params, opt_state, batch)
 
   return DataParallel(init, run, axes, lower)
-
-
-def has_local_steps(tx: optax.GradientTransformation, mesh: Mesh, specs: Any, params: Any) -> bool:
-  """Whether ``tx``'s state holds a :class:`jaxcomp.diloco.DiLoCoState`: replicas that differ between syncs.
-
-  Read from the state's structure (``jax.eval_shape`` of ``tx.init`` inside the mesh), so an optimizer
-  wrapped in any optax wrapper is found.
-  """
-  every = P(tuple(mesh.axis_names))
-  shapes = jax.eval_shape(jax.shard_map(lambda p: stacked(tx.init(p)), mesh=mesh, in_specs=(specs,),
-                                        out_specs=every), params)
-  is_diloco = lambda x: isinstance(x, DiLoCoState)  # noqa: E731
-  return any(is_diloco(x) for x in jax.tree.leaves(shapes, is_leaf=is_diloco))
 
 
 def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) -> DataParallel:
