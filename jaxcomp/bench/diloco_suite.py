@@ -2,7 +2,8 @@
 
 ``python -m jaxcomp.bench diloco-suite [--tasks digits,diabetes,...|all] [--codecs dense,topk,...]
 [--outers avg,nesterov:0.7:0.9,...] [--sync-every 16] [--fragments 1] [--delay 0] [--alpha 0]
-[--inner-lr 1] [--steps 1000] [--batch small] [--seed 0] [--out DIR] [--resume] [--merge a.json,b.json]``
+[--inner-lr 1] [--steps 1000] [--batch small] [--seed 0] [--out DIR] [--resume]
+[--merge a.json,b.json [--only REGEX]]``
 
 Every configuration (the product of the lists) trains each task of
 :mod:`jaxcomp.bench.tasks` with :func:`jaxcomp.diloco` (8 workers under
@@ -36,6 +37,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -267,6 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
   p.add_argument("--out", default=None)
   p.add_argument("--resume", action="store_true")
   p.add_argument("--merge", default="", help="comma-separated diloco_suite.json files: tables only")
+  p.add_argument("--only", default="", help="with --merge: the configurations matching this regex (and dp)")
   args = p.parse_args(argv)
   command = "python -m jaxcomp.bench diloco-suite " + " ".join(argv if argv is not None else sys.argv[2:])
   if args.merge:
@@ -274,7 +277,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
     for name in args.merge.split(","):
       with open(name) as f:
         runs += [Run(**r) for r in json.load(f)]
-    runs = list({r.key: r for r in runs}.values())
+    runs = [r for r in {r.key: r for r in runs}.values() if r.config == "dp" or re.search(args.only, r.config)]
     print(table(runs) + "\n\n" + rotation(runs))
     return runs
   tasks = _list(args.tasks, list(TASKS), "tasks")
