@@ -18,12 +18,12 @@ from jaxcomp.optimizers.demo import demo
 from jaxcomp.optimizers.onebit_adam import onebit_adam, scale_by_onebit_adam
 from jaxcomp.optimizers.zero_one_adam import zero_one_adam
 from jaxcomp.own_step import on_shards, per_slice
-from jaxcomp.replica_mean import compressed_mean
 from jaxcomp.parallel import DataParallel, data_parallel
 from jaxcomp.protocol import CompressState
 from jaxcomp.rebuild import configure, staged, steady
 from jaxcomp.recipes import recipe, recipe_method
 from jaxcomp.registry import METHODS
+from jaxcomp.replica_mean import compressed_mean
 from jaxcomp.scatter import TRANSPORTS
 from jaxcomp.sharding import local, per_worker, stacked
 from jaxcomp.transformation import CompressionTransformation, compressor, memory_tree, method_of

@@ -152,11 +152,9 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
     takes the per-slice gradients of :func:`per_slice` (a leading slice axis)
     and returns updates laid out as the parameters, the same on every slice.
 
-    Replicas that differ between syncs (``tx`` holds :func:`jaxcomp.diloco`,
-    found from its state): ``init`` takes one replica's parameters, and
-    ``update`` takes the parameters with a leading slice axis (one replica
-    per slice, sharded over ``axis_name``: ``per_slice``'s
-    ``replica_argnums``) and returns one update per replica, laid out alike.
+    With :func:`jaxcomp.diloco` in ``tx`` (replicas differ between syncs),
+    ``update`` takes the parameters with a leading axis of one replica per
+    slice (``per_slice``'s ``replica_argnums``) and returns one update each.
   """
   names = _slow_axes(mesh, axis_name, "on_shards")
   every = P(tuple(mesh.axis_names))
@@ -189,26 +187,7 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
     return jax.tree.unflatten(boxed, jax.tree.leaves(updates)), state
 
   def _update(grads, state, params):
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-      if not getattr(g, "ndim", 0) or g.shape[0] != n:
-        raise ValueError(
-            f"on_shards: gradient leaf {jax.tree_util.keystr(path)} has shape {getattr(g, 'shape', ())};"
-            f" update takes per-slice gradients with a leading axis of {n} (one per slice of"
-            f" {slow!r}), as jaxcomp.per_slice returns them")
-    stacked_params = params is not None and _leading(grads, params)
-    # one replica's shapes (structure and shapes only: nothing is sliced)
-    one = _shapes(grads if params is None or stacked_params else params, 1 if params is None or
-                  stacked_params else 0)
-    specs = specs_for(one)
-    replicas = has_local_steps(tx, mesh, specs, one)
-    if replicas and not stacked_params:
-      raise ValueError("on_shards: tx keeps replicas that differ between syncs (jaxcomp.diloco): pass"
-                       " update the parameters with a leading axis of one replica per slice of"
-                       f" {slow!r}, laid out as the gradients (jaxcomp.per_slice(...,"
-                       " replica_argnums=0) takes them so)")
-    if stacked_params and not replicas:
-      raise ValueError("on_shards: the parameters have a leading slice axis, but tx keeps one model"
-                       " (no jaxcomp.diloco in it): pass the parameters as the param_specs lay them out")
+    specs, replicas = _layout(tx, mesh, grads, params, specs_for, slow, n)
     per_slice_specs = jax.tree.map(lambda s: P(slow, *s), specs, is_leaf=lambda s: isinstance(s, P))
 
     whole = _whole_sizes(grads, leading=1)
@@ -219,17 +198,15 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
                          jax.tree.map(lambda x: x[0], p) if replicas else p)
       return (jax.tree.map(lambda x: x[None], u) if replicas else u), stacked(s)
 
-    if replicas:  # one update per replica, laid out as the per-slice gradients
-      return jax.shard_map(one_device, mesh=mesh, in_specs=(per_slice_specs, every, per_slice_specs),
-                           out_specs=(per_slice_specs, every), check_vma=False)(grads, state, params)
-
-    if params is None:
-      return jax.shard_map(lambda g, s: one_device(g, s, None), mesh=mesh, in_specs=(per_slice_specs, every),
-                           out_specs=(specs, every), check_vma=False)(grads, state)
-    # The updates are bit-identical on every slice (jaxcomp's mean), which JAX cannot prove of a
-    # per-device state: hence check_vma=False.
-    return jax.shard_map(one_device, mesh=mesh, in_specs=(per_slice_specs, every, specs),
-                         out_specs=(specs, every), check_vma=False)(grads, state, params)
+    # Replicas: one update per replica, laid out as the per-slice gradients. Otherwise the updates are
+    # bit-identical on every slice (jaxcomp's mean), which JAX cannot prove of a per-device state:
+    # hence check_vma=False.
+    laid = per_slice_specs if replicas else specs
+    args, in_specs = (grads, state), (per_slice_specs, every)
+    if params is not None:
+      args, in_specs = args + (params,), in_specs + (laid,)
+    fn = one_device if params is not None else (lambda g, s: one_device(g, s, None))
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(laid, every), check_vma=False)(*args)
 
   return optax.GradientTransformation(init, update)
 
@@ -245,6 +222,32 @@ def has_local_steps(tx: optax.GradientTransformation, mesh: Mesh, specs: Any, pa
                                         out_specs=every), params)
   is_diloco = lambda x: isinstance(x, DiLoCoState)  # noqa: E731
   return any(is_diloco(x) for x in jax.tree.leaves(shapes, is_leaf=is_diloco))
+
+
+def _layout(tx, mesh: Mesh, grads, params, specs_for: Callable, slow, n: int) -> tuple:
+  """``(specs, replicas)`` of an ``on_shards`` update: one replica's specs, and whether ``tx`` keeps a
+  replica per slice (DiLoCo), checked against the gradients' and parameters' layouts."""
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    if not getattr(g, "ndim", 0) or g.shape[0] != n:
+      raise ValueError(
+          f"on_shards: gradient leaf {jax.tree_util.keystr(path)} has shape {getattr(g, 'shape', ())};"
+          f" update takes per-slice gradients with a leading axis of {n} (one per slice of"
+          f" {slow!r}), as jaxcomp.per_slice returns them")
+  stacked_params = params is not None and _leading(grads, params)
+  # one replica's shapes (structure and shapes only: nothing is sliced)
+  one = _shapes(grads if params is None or stacked_params else params,
+                1 if params is None or stacked_params else 0)
+  specs = specs_for(one)
+  replicas = has_local_steps(tx, mesh, specs, one)
+  if replicas and not stacked_params:
+    raise ValueError("on_shards: tx keeps replicas that differ between syncs (jaxcomp.diloco): pass"
+                     " update the parameters with a leading axis of one replica per slice of"
+                     f" {slow!r}, laid out as the gradients (jaxcomp.per_slice(...,"
+                     " replica_argnums=0) takes them so)")
+  if stacked_params and not replicas:
+    raise ValueError("on_shards: the parameters have a leading slice axis, but tx keeps one model"
+                     " (no jaxcomp.diloco in it): pass the parameters as the param_specs lay them out")
+  return specs, replicas
 
 
 def _leading(grads, params) -> bool:

@@ -71,7 +71,8 @@ def _sharded_run(mesh, diloco, steps):
 
   one = jax.device_put(_params(), {k: NamedSharding(mesh, s) for k, s in SPECS.items()})
   state = jax.jit(tx.init)(one)
-  params = jax.device_put(jaxcomp.per_worker(_params(), 2), {k: NamedSharding(mesh, s) for k, s in STACKED.items()})
+  params = jax.device_put(jaxcomp.per_worker(_params(), 2),
+                          {k: NamedSharding(mesh, s) for k, s in STACKED.items()})
   x, y = _batches(steps)
   rows = NamedSharding(mesh, P(("dcn", "fsdp")))
   out = []

@@ -372,8 +372,8 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--outer-lr", type=float, default=DEFAULT_OUTER_LR,
                  help=f"DiLoCo's outer Nesterov lr (default {DEFAULT_OUTER_LR:g})")
   p.add_argument("--outer-momentum", type=float, default=DEFAULT_OUTER_MOMENTUM,
-                 help=f"DiLoCo's outer Nesterov momentum (default {DEFAULT_OUTER_MOMENTUM:g}); 0: plain sgd(outer"
-                 " lr), no momentum")
+                 help=f"DiLoCo's outer Nesterov momentum (default {DEFAULT_OUTER_MOMENTUM:g}); 0: plain"
+                 " sgd(outer lr), no momentum")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="bench_out_diloco", help="output folder (default bench_out_diloco/)")
   p.add_argument("--no-progress", action="store_true")

@@ -277,7 +277,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
     for name in args.merge.split(","):
       with open(name) as f:
         runs += [Run(**r) for r in json.load(f)]
-    runs = [r for r in {r.key: r for r in runs}.values() if r.config == "dp" or re.search(args.only, r.config)]
+    runs = [r for r in {r.key: r for r in runs}.values()
+            if r.config == "dp" or re.search(args.only, r.config)]
     print(table(runs) + "\n\n" + rotation(runs))
     return runs
   tasks = _list(args.tasks, list(TASKS), "tasks")
@@ -286,9 +287,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
     compressor(c)
   for o in outers:
     outer_optimizer(o)
-  grid = itertools.product(codecs, outers, [int(x) for x in args.sync_every.split(",")],
-                           [int(x) for x in args.fragments.split(",")], [int(x) for x in args.delay.split(",")],
-                           [float(x) for x in args.alpha.split(",")], [float(x) for x in args.inner_lr.split(",")])
+  ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+  floats = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
+  grid = itertools.product(codecs, outers, ints(args.sync_every), ints(args.fragments), ints(args.delay),
+                           floats(args.alpha), floats(args.inner_lr))
   configs = ["dp"] + [config_name(*g) for g in grid]
   todo = [Run(t, c, args.steps, TASKS[t].batches[0 if args.batch == "small" else 1], args.seed)
           for t in tasks for c in configs]
