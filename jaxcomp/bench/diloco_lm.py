@@ -1,7 +1,8 @@
 """``python -m jaxcomp.bench lm --diloco``: syncing every H steps against data parallelism on the lm task.
 
 ``python -m jaxcomp.bench lm --diloco [--steps 1000] [--sync-every 16] [--fragments 4] [--configs a,b]
-[--lr 3e-3] [--outer-lr 0.9] [--outer-momentum 0.3] [--seed 0] [--out DIR] [--no-progress]``
+[--delay 0] [--alpha 0] [--lr 3e-3] [--outer-lr 0.9] [--outer-momentum 0.3] [--seed 0] [--out DIR]
+[--no-progress]``
 
 The data, model, held-out loss and AdamW of :mod:`jaxcomp.bench.lm` (8
 workers under ``jax.pmap``, 16 windows each per step), at equal inner steps:
@@ -14,7 +15,8 @@ workers under ``jax.pmap``, 16 windows each per step), at equal inner steps:
   ``jaxcomp.topk``, ``jaxcomp.qsgd`` or ``jaxcomp.fp4`` at their defaults;
 - ``sparseloco``: :func:`jaxcomp.sparseloco` at its defaults (2% per chunk of 4096, 2-bit values,
   decaying error feedback, outer SGD lr 1);
-- ``streaming-fp4``: Streaming DiLoCo, ``fragments=P`` with fp4 outer gradients.
+- ``streaming-fp4``: Streaming DiLoCo, ``fragments=P`` with fp4 outer gradients (``--delay``, ``--alpha``:
+  the overlap of :func:`jaxcomp.diloco`).
 
 Reported per configuration: the held-out loss of the shared model (the
 anchor; data parallel: replica 0) and of replica 0's own parameters, the
@@ -114,7 +116,7 @@ class Setup(NamedTuple):
 
 
 def optimizer(config: str, lr: float, sync_every: int, fragments: int, outer_lr: float,
-              outer_momentum: float = DEFAULT_OUTER_MOMENTUM) -> Setup:
+              outer_momentum: float = DEFAULT_OUTER_MOMENTUM, delay: int = 0, alpha: float = 0.0) -> Setup:
   """The :class:`Setup` of ``config`` (one of :data:`CONFIGS`)."""
   inner = optax.adamw(lr, **ADAMW)
   if config == "dp":
@@ -128,15 +130,17 @@ def optimizer(config: str, lr: float, sync_every: int, fragments: int, outer_lr:
            jaxcomp.qsgd(axis_name=AXIS), "diloco-fp4": jaxcomp.fp4(axis_name=AXIS),
            "streaming-fp4": jaxcomp.fp4(axis_name=AXIS)}
   frag = fragments if config == "streaming-fp4" else 1
+  stream = {"delay": delay, "alpha": alpha} if frag > 1 else {}
   outer = (optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True) if outer_momentum
            else optax.sgd(outer_lr))
   tx = jaxcomp.diloco(inner, outer, sync_every=sync_every, compressor=comps[config], axis_name=AXIS,
-                      fragments=frag)
+                      fragments=frag, **stream)
   method = "dense" if comps[config] is None else config.split("-")[1]
   kind = f"Nesterov sgd({outer_lr:g}, {outer_momentum:g})" if outer_momentum else f"sgd({outer_lr:g})"
   what = f"DiLoCo, H={sync_every}, {method} pseudo-gradients, outer {kind}"
   if frag > 1:
-    what = f"Streaming DiLoCo, H={sync_every}, P={frag}, fp4 outer gradients, outer {kind}"
+    what = (f"Streaming DiLoCo, H={sync_every}, P={frag}, fp4 outer gradients, delay {delay},"
+            f" alpha {alpha:g}, outer {kind}")
   return Setup(tx, tx.compressor, frag, what)
 
 
@@ -196,14 +200,15 @@ def _same(tree) -> bool:
 
 def train(config: str, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, sync_every: int = SYNC_EVERY,
           fragments: int = FRAGMENTS, outer_lr: float = DEFAULT_OUTER_LR, seed: int = 0,
-          progress: bool = False, outer_momentum: float = DEFAULT_OUTER_MOMENTUM) -> Run:
+          progress: bool = False, outer_momentum: float = DEFAULT_OUTER_MOMENTUM, delay: int = 0,
+          alpha: float = 0.0) -> Run:
   """Trains the lm task's transformer with ``config`` (one of :data:`CONFIGS`) for ``steps`` inner steps."""
   if config not in CONFIGS:
     raise ValueError(f"config must be one of {CONFIGS}, got config={config!r}")
   run = Run(config, steps=steps)
   t0 = time.perf_counter()
   try:
-    _train(run, lr, sync_every, fragments, (outer_lr, outer_momentum), seed, progress)
+    _train(run, lr, sync_every, fragments, (outer_lr, outer_momentum, delay, alpha), seed, progress)
   except Exception as e:  # noqa: BLE001 -- one broken configuration must not stop the others
     import traceback
 
@@ -366,6 +371,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"inner steps (default {DEFAULT_STEPS})")
   p.add_argument("--sync-every", type=int, default=SYNC_EVERY, help=f"H (default {SYNC_EVERY})")
   p.add_argument("--fragments", type=int, default=FRAGMENTS, help=f"streaming's P (default {FRAGMENTS})")
+  p.add_argument("--delay", type=int, default=0, help="streaming's overlap tau (default 0)")
+  p.add_argument("--alpha", type=float, default=0.0,
+                 help="streaming's share of the local fragment kept (default 0)")
   p.add_argument("--configs", default="all", help=f"comma-separated from {', '.join(CONFIGS)}; 'all'"
                  " (default); dp always runs first")
   p.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"AdamW's lr (default {DEFAULT_LR:g})")
@@ -399,14 +407,16 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
   facts = (f"data: pydoc_data.topics, context {CONTEXT}; model: the lm task's transformer,"
            f" {num_params(params):,} parameters in {len(jax.tree.leaves(params))} leaves; {WORKERS} workers"
            f" (jax.pmap) x {PER_WORKER_BATCH} windows; {args.steps} inner steps; AdamW lr {args.lr:g},"
-           f" weight decay {ADAMW['weight_decay']:g}; H = {args.sync_every}; streaming P = {args.fragments};"
+           f" weight decay {ADAMW['weight_decay']:g}; H = {args.sync_every}; streaming P = {args.fragments},"
+           f" delay {args.delay}, alpha {args.alpha:g};"
            f" seed {args.seed}")
   print(head, facts, sep="\n", flush=True)
   t_all = time.perf_counter()
   runs = []
   for config in args.configs:
     r = train(config, args.steps, args.lr, args.sync_every, args.fragments, args.outer_lr, args.seed,
-              progress=not args.no_progress, outer_momentum=args.outer_momentum)
+              progress=not args.no_progress, outer_momentum=args.outer_momentum, delay=args.delay,
+              alpha=args.alpha)
     runs.append(r)
     print(f"{config:>14}: held-out {r.held_out_loss:.4f} (replica 0 {r.replica_loss:.4f})"
           f"  {r.mean_bytes:,.0f} B/step  {1e3 * r.step_seconds:.1f} ms/step  wall {r.wall_seconds:.0f} s"
@@ -417,7 +427,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
   print("\n" + text.split("\n", 3)[3])
   os.makedirs(args.out, exist_ok=True)
   meta = {"header": head, "command": cmd.strip(), "steps": args.steps, "sync_every": args.sync_every,
-          "fragments": args.fragments, "lr": args.lr, "outer_lr": args.outer_lr,
+          "fragments": args.fragments, "delay": args.delay, "alpha": args.alpha, "lr": args.lr,
+          "outer_lr": args.outer_lr,
           "outer_momentum": args.outer_momentum, "seed": args.seed,
           "workers": WORKERS, "per_worker_batch": PER_WORKER_BATCH, "latency_us": LATENCY_US,
           "jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
