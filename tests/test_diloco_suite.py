@@ -12,15 +12,15 @@ def test_cli_end_to_end(tmp_path):
   """digits, 48 steps, H = 8: dp and two DiLoCo configurations train; the table shows their gaps, the
   rotation its rows; bytes per step are dp's over H for the dense mean."""
   out = str(tmp_path / "ds")
-  runs = diloco_suite.main(["--tasks", "digits,diabetes", "--steps", "48", "--sync-every", "8", "--codecs",
+  runs = diloco_suite.main(["--tasks", "digits", "--steps", "48", "--sync-every", "8", "--codecs",
                             "dense,sparseloco:density=0.1:mean=senders", "--outers", "avg", "--out", out])
-  assert len(runs) == 6 and not [r.error for r in runs if r.error]
+  assert len(runs) == 3 and not [r.error for r in runs if r.error]
   by = {(r.task, r.config): r for r in runs}
   dp, dense = by[("digits", "dp")], by[("digits", "dense/avg/H8/P1/d0/a0")]
   assert all(math.isfinite(r.loss) for r in runs) and 0 < dp.accuracy <= 1
   assert dense.bytes_per_step == pytest.approx(dp.bytes_per_step / 8)
   with open(f"{out}/diloco_suite.json") as f:
-    assert len(json.load(f)) == 6
+    assert len(json.load(f)) == 3
   text = open(f"{out}/diloco_suite.md").read()
   assert "`sparseloco:density=0.1:mean=senders/avg/H8/P1/d0/a0`" in text and "| digits " in text
 

@@ -230,6 +230,8 @@ def rotation(runs: List[Run]) -> str:
   tasks = list(dict.fromkeys(r.task for r in runs))
   configs = [c for c in dict.fromkeys(r.config for r in runs) if c != "dp"]
   gaps = {(r.task, r.config): gap(r, _dp_of(by_key, r)) for r in runs if r.config != "dp"}
+  if len(tasks) < 2 or not configs:
+    return "(a rotation needs two tasks and a DiLoCo configuration)"
   rows = []
   for held in tasks:
     others = [t for t in tasks if t != held]
