@@ -34,18 +34,20 @@ step count picks a branch of one ``lax.switch`` (the same on every worker).
 Overlap (``delay=tau``, Streaming DiLoCo's): a fragment's pseudo-gradient
 is taken from the parameters at the start of its send step, so its
 reduction (a switch of its own, ahead of the inner update) reads neither
-the step's gradients nor its inner update: in the compiled step nothing
-orders the collective after the backward pass
+the step's gradients nor its inner update: in the compiled step the
+collective has no data dependency on the backward pass
 (``tests/test_diloco_delay.py`` proves it on the HLO with
-:mod:`jaxcomp.hlo_deps`). The anchor moves at the send; the replicas land
+:mod:`jaxcomp.hlo_deps`; running it beside that pass is the backend
+scheduler's choice). The anchor moves at the send; the replicas land
 on it (``alpha``: keep that share of the local fragment) at the end of the
 step ``tau - 1`` steps later, a second switch on the step count.
 
 A sync whose mean is not finite (NaN on every worker alike) keeps the
 anchor and the outer state, and lands every replica whose parameters are
-finite back on the anchor; parameters already NaN stay NaN (an added update
-cannot repair them): wrap diloco in ``jaxcomp.apply_if_finite(tx, n,
-axis_name=...)`` to skip such steps on every worker.
+finite back on the anchor (with ``alpha > 0``: mixed with it); parameters
+already NaN stay NaN (an added update cannot repair them): wrap diloco in
+``jaxcomp.apply_if_finite(tx, n, axis_name=...)`` to skip such steps on
+every worker.
 """
 
 from __future__ import annotations
@@ -80,8 +82,8 @@ class DiLoCoState(NamedTuple):
   """State of :func:`diloco`; a pytree of arrays.
 
   Attributes:
-    count: int32 steps so far (wraps to 0 at a multiple of ``sync_every`` below 2^31, so the schedule
-      never stops).
+    count: int32 steps so far (wraps back to ``sync_every`` at a multiple of it below 2^31, so the
+      schedule never stops and never sees step 0 again).
     anchor: float32 tree like the parameters: the model every replica shares, set at each sync (for
       ``fragments > 1``, each fragment's leaves at its own sync). The same on every worker.
     inner: the inner optimizer's state (per worker: it never crosses the axis).
@@ -122,13 +124,14 @@ def leaf_costs(compressor, leaves) -> list:
 
 
 def sync_table(sync_every: int, fragments: int, shift: int = 0) -> np.ndarray:
-  """``table[t % H]``: the fragment that syncs after step ``t`` (0-based), or ``fragments`` for none.
+  """``table[t % H]``: the fragment that syncs in step ``t`` (0-based), or ``fragments`` for none.
 
   Fragment ``p`` has the offset ``o_p = p * H // P`` and syncs after the steps ``t`` with
   ``(t + 1) % H == o_p``: fragment 0 after steps ``H - 1, 2H - 1, ...`` (the first sync after ``H``
   inner steps), the others every ``H`` steps from step ``o_p - 1`` on. Offsets are distinct (P <= H).
-  ``shift`` moves every entry ``shift`` steps later: with ``delay=tau`` a fragment sends in step
-  ``t + 1`` (``shift=1``) and lands in step ``t + tau`` (``shift=tau``).
+  ``shift`` moves every entry ``shift`` steps later: with ``delay=tau`` a fragment whose ``delay=0``
+  sync is in step ``t`` sends in step ``t + 1`` (``shift=1``) and lands in step ``t + tau``
+  (``shift=tau``).
   """
   table = np.full((sync_every,), fragments, np.int32)
   for p in range(fragments):
@@ -317,8 +320,8 @@ def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformat
       in it. tau >= 1: the fragment's pseudo-gradient ``anchor - params`` is taken from the
       parameters at the start of step ``t + 1`` (those after step ``t``, the step a sync with
       ``delay=0`` follows), its reduction and the outer step run in step ``t + 1``'s program
-      without reading that step's gradients (XLA may run the collective beside the forward and
-      backward pass), and the new anchor lands on the replicas at the end of step ``t + tau``:
+      without reading that step's gradients (no data dependency on the forward and backward
+      pass), and the new anchor lands on the replicas at the end of step ``t + tau``:
       the tau inner steps in between overlap the exchange. ``delay=1`` overlaps the step it runs
       in. The anchor in the state is the new one from the send on.
     alpha: in [0, 1), the share of the local fragment kept where a sync lands: the replica

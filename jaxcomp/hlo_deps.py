@@ -13,9 +13,13 @@ parameters and the state but not the batch, so it does not wait for the
 forward and backward pass.
 
 The pass is conservative where it cannot see structure: an instruction it
-does not model reads all of its operands, and a tuple it cannot split
-depends on all of them; so "independent" is a proof, "dependent" may be an
-over-approximation.
+does not model reads all of its operands, a tuple it cannot split depends on
+all of them, an operand it cannot name or a loop without a fixed point reads
+everything, and XLA's scheduling edges (``control-predecessors``) count as
+operands; so "independent" holds of the data flow, "dependent" may be an
+over-approximation. It is a statement about data dependencies, not about the
+schedule: whether a backend runs an independent collective beside other work
+is its scheduler's choice.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Dict, Iterable, List, Tuple
 
 COLLECTIVES = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute"
                          r"|collective-broadcast|ragged-all-to-all)(-start)?$")
+_LEAVES = ("parameter", "constant", "iota", "partition-id", "replica-id", "after-all",
+           "rng-get-and-update-state")  # instructions with no operands
 _HEAD = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _NAME = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = ")
 
@@ -63,7 +69,16 @@ def _instruction(line: str):
   close = _balanced(line, open_at)
   inside = line[open_at + 1:close - 1]
   operands = [inside.strip()] if op.group(1) == "parameter" else re.findall(r"%([\w.\-]+)", inside)
+  if op.group(1) not in _LEAVES and inside.strip() and not operands:
+    operands = [None]  # operands this parser cannot name: read as depending on everything
+  # scheduling edges XLA adds (async collectives, send/recv) order an instruction like its operands
+  operands += re.findall(r"%([\w.\-]+)", _braces(line[close:], "control-predecessors"))
   return m.group(2), op.group(1), operands, line[close:], bool(m.group(1)), shape
+
+
+def _braces(attrs: str, key: str) -> str:
+  m = re.search(rf"\b{key}=\{{([^}}]*)\}}", attrs)
+  return m.group(1) if m else ""
 
 
 def parse(hlo: str) -> Tuple[Dict[str, list], str]:
@@ -106,23 +121,24 @@ class _Flow:
   def __init__(self, comps):
     self.comps, self.memo, self.hits = comps, {}, {}
 
-  def run(self, comp: str, params: tuple):
+  def run(self, comp: str, params):
     key = (comp, repr(params))
     if key not in self.memo:
-      self.memo[key] = False  # a recursion guard; HLO computations do not recurse
+      self.memo[key] = True  # a recursion guard (HLO computations do not recurse): conservative
       self.memo[key] = self._eval(comp, params)
     return self.memo[key]
 
-  def _eval(self, comp: str, params: tuple):
+  def _eval(self, comp: str, params):
+    """The dependence of ``comp``'s root; ``params``: a tuple (one per parameter) or one bool for all."""
     deps, root = {}, None
     for name, op, operands, attrs, is_root, _ in self.comps.get(comp, []):
       if op == "parameter":
         k = int(operands[0])
-        d = params[k] if k < len(params) else False
+        d = params if isinstance(params, bool) else params[k] if k < len(params) else True
         deps[name] = d
         root = d if is_root else root
         continue
-      ins = [deps.get(o, False) for o in operands]
+      ins = [deps.get(o, True) for o in operands]  # a name not seen: read as dependent
       if op == "tuple":
         d = tuple(ins)
       elif op == "get-tuple-element":
@@ -141,18 +157,24 @@ class _Flow:
       elif op == "while":
         body, cond = _called(attrs, "body"), _called(attrs, "condition")
         d = ins[0] if ins else False
-        for _ in range(64):
+        for _ in range(256):
           nd = _join(d, self.run(body[0], (d,)))
           if nd == d:
             break
           d = nd
+        else:  # no fixed point reached: everything the loop carries reads everything
+          d = self.run(body[0], (True,)) or True
         if _any(self.run(cond[0], (d,))):  # a trip count from the sources: the body waits for them
           self.run(body[0], (True,))
           d = True
-      elif op in ("fusion", "call") or (op == "async-start" and _called(attrs, "calls")):
+      elif op in ("fusion", "call"):
         d = self.run((_called(attrs, "calls") or _called(attrs, "to_apply"))[0], tuple(ins))
+      elif op == "async-start" and _called(attrs, "calls"):  # ((operands), result, context)
+        d = (tuple(ins), self.run(_called(attrs, "calls")[0], tuple(ins)), _any(ins))
       else:
         d = any(_any(x) for x in ins)
+        for c in _called(attrs, "called_computations") + _called(attrs, "to_apply"):
+          self.run(c, d)  # e.g. a custom call's computations: each parameter reads all operands
         if COLLECTIVES.match(op):
           self.hits[name] = self.hits.get(name, False) or d
       deps[name] = d

@@ -93,19 +93,20 @@ def per_slice(fn: Callable, mesh: Mesh, axis_name: AxisArg, batch_argnums: Union
     slice's rows, not reduced over the slow axis. Call it inside ``jax.jit``.
   """
   names = _slow_axes(mesh, axis_name, "per_slice")
-  argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
-  replicas = (replica_argnums,) if isinstance(replica_argnums, int) else tuple(replica_argnums)
-  if set(argnums) & set(replicas):
-    raise ValueError(f"per_slice: an argument cannot be both a batch and a replica: batch_argnums="
-                     f"{batch_argnums!r}, replica_argnums={replica_argnums!r}")
+  given = ((batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums),
+           (replica_argnums,) if isinstance(replica_argnums, int) else tuple(replica_argnums))
   n = _slices(mesh, names)
   spmd = names[0] if len(names) == 1 else names
 
   def run(*args):
-    for i in argnums + replicas:
-      if i >= len(args):
-        what = "batch_argnums" if i in argnums else "replica_argnums"
-        raise ValueError(f"per_slice: {what} names argument {i}, but fn got {len(args)} arguments")
+    for what, nums in zip(("batch_argnums", "replica_argnums"), given):
+      for i in nums:
+        if not -len(args) <= i < len(args):
+          raise ValueError(f"per_slice: {what} names argument {i}, but fn got {len(args)} arguments")
+    argnums, replicas = (tuple(i % len(args) for i in nums) for nums in given)
+    if set(argnums) & set(replicas):
+      raise ValueError(f"per_slice: an argument cannot be both a batch and a replica: batch_argnums="
+                       f"{batch_argnums!r}, replica_argnums={replica_argnums!r}")
     split = list(args)
     for i in argnums:
       split[i] = jax.tree_util.tree_map_with_path(lambda path, x, i=i: _split_rows(x, n, i, path), args[i])
@@ -162,7 +163,10 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
   slow = names[0] if len(names) == 1 else names
 
   def specs_for(params):
-    specs = sharded.normalize(unbox(param_specs), mesh, names)
+    given = unbox(param_specs)
+    if given is None:  # every leaf replicated within its slice
+      given = jax.tree.map(lambda _: P(), params)
+    specs = sharded.normalize(given, mesh, names)
     if jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)) != jax.tree.structure(params):
       raise ValueError("on_shards: param_specs must be a tree like the parameters (a PartitionSpec,"
                        f" NamedSharding or None per leaf); got {jax.tree.structure(param_specs)} for"

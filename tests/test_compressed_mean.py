@@ -145,3 +145,15 @@ def test_errors_name_the_compressor():
     jaxcomp.compressed_mean(optax.sgd(0.1), _mesh())
   with pytest.raises(ValueError, match="axis_name="):
     jaxcomp.compressed_mean(jaxcomp.topk(0.1), _mesh())
+
+
+def test_param_specs_none_replicates_every_leaf():
+  """The default param_specs=None: every leaf replicated within a replica (a tree of several leaves)."""
+  mean = jaxcomp.compressed_mean(jaxcomp.none(axis_name="diloco"), _mesh())
+  params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros((8,))}
+  with use_mesh(_mesh()):
+    state = jax.jit(mean.init)(params)
+    tree = {"w": jnp.arange(R * 128.0).reshape(R, 16, 8), "b": jnp.ones((R, 8))}
+    avg, _ = jax.jit(mean.update)(tree, state)
+  np.testing.assert_allclose(avg["w"], np.asarray(tree["w"]).mean(0), rtol=1e-6)
+  np.testing.assert_allclose(avg["b"], 1.0)

@@ -40,3 +40,24 @@ def test_conditional_branches_see_their_own_operands():
     return jax.lax.cond(jnp.sum(x) > 0, lambda: jax.lax.psum(jnp.sum(y * y), AXIS) + y[0, 0],
                         lambda: jnp.sum(y)).reshape(1)
   assert list(_reads(dirty).values()) == [True]
+
+
+def test_unknown_operands_and_control_edges_read_as_dependent():
+  """What the pass cannot name is dependent (operands printed without their %), and a scheduling edge
+  (control-predecessors) orders a collective as an operand would."""
+  hlo = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: f32[2], b: f32[2]) -> f32[2] {
+  %a = f32[2]{0} parameter(0)
+  %b = f32[2]{0} parameter(1)
+  %x = f32[2]{0} add(a, b)
+  ROOT %r = f32[2]{0} all-reduce(%x), replica_groups={}, to_apply=%sum
+}
+"""
+  assert hlo_deps.collectives_reading(hlo, [0]) == {"r": True}
+  clean = hlo.replace("add(a, b)", "add(%b, %b)")
+  assert hlo_deps.collectives_reading(clean, [0]) == {"r": False}
+  assert hlo_deps.collectives_reading(clean, [1]) == {"r": True}
+  ordered = clean.replace("  ROOT %r", "  %y = f32[2]{0} negate(%a)\n  ROOT %r").replace(
+      "to_apply=%sum", "to_apply=%sum, control-predecessors={%y}")
+  assert hlo_deps.collectives_reading(ordered, [0]) == {"r": True}
