@@ -362,8 +362,8 @@ def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformat
 
 def sparseloco(inner: optax.GradientTransformation, sync_every: int = 16, axis_name: AxisName = None,
                density: float = 0.02, bits: int = 2, chunk: int = 4096, decay: float = 0.95,
-               outer_lr: float = 1.0, fragments: int = 1, seed: int = 0, mean: str = "senders"
-               ) -> CompressedOptimizer:
+               outer_lr: float = 1.0, fragments: int = 1, seed: int = 0, mean: str = "senders",
+               delay: int = 0, alpha: float = 0.0) -> CompressedOptimizer:
   """SparseLoCo: DiLoCo whose pseudo-gradients travel as top-k per chunk with 2-bit values.
 
   The preset over :func:`diloco`: the compressor is
@@ -393,6 +393,8 @@ def sparseloco(inner: optax.GradientTransformation, sync_every: int = 16, axis_n
     fragments: as :func:`diloco` (1: every leaf at every sync).
     seed: seeds the compressor's key.
     mean: ``"senders"`` (the reference code's) or ``"workers"``, see :func:`chunked_topk`.
+    delay, alpha: as :func:`diloco`. ``alpha=0.5`` (replicas keep half their local fragment at a
+      sync) cut SparseLoCo's gap on every suite task measured (prose +27.9% to +17.2%).
 
   References:
     Sarfi, Thérien, Lidin, Belilovsky, *Communication Efficient LLM Pre-training with SparseLoCo*,
@@ -400,4 +402,4 @@ def sparseloco(inner: optax.GradientTransformation, sync_every: int = 16, axis_n
   """
   lr = _args.positive("outer_lr", outer_lr)
   comp = chunked_topk(density, bits, chunk, decay, axis_name=axis_name, seed=seed, mean=mean)
-  return diloco(inner, optax.sgd(lr), sync_every, comp, axis_name, fragments)
+  return diloco(inner, optax.sgd(lr), sync_every, comp, axis_name, fragments, delay, alpha)

@@ -15,8 +15,10 @@ workers under ``jax.pmap``, 16 windows each per step), at equal inner steps:
   ``jaxcomp.topk``, ``jaxcomp.qsgd`` or ``jaxcomp.fp4`` at their defaults;
 - ``sparseloco``: :func:`jaxcomp.sparseloco` at its defaults (2% per chunk of 4096, 2-bit values,
   decaying error feedback, outer SGD lr 1);
-- ``streaming-fp4``: Streaming DiLoCo, ``fragments=P`` with fp4 outer gradients (``--delay``, ``--alpha``:
-  the overlap of :func:`jaxcomp.diloco`).
+- ``streaming-fp4``: Streaming DiLoCo, ``fragments=P`` with fp4 outer gradients.
+
+``--delay`` and ``--alpha`` set :func:`jaxcomp.diloco`'s overlap and mixing for every configuration but
+dp.
 
 Reported per configuration: the held-out loss of the shared model (the
 anchor; data parallel: replica 0) and of replica 0's own parameters, the
@@ -123,21 +125,20 @@ def optimizer(config: str, lr: float, sync_every: int, fragments: int, outer_lr:
     comp = jaxcomp.none(axis_name=AXIS)
     return Setup(optax.chain(comp, inner), comp, 1, "data-parallel AdamW, dense mean every step")
   if config == "sparseloco":
-    tx = jaxcomp.sparseloco(inner, sync_every=sync_every, axis_name=AXIS)
+    tx = jaxcomp.sparseloco(inner, sync_every=sync_every, axis_name=AXIS, delay=delay, alpha=alpha)
     return Setup(tx, tx.compressor, 1, f"SparseLoCo, H={sync_every}: 2% of each chunk of 4096, 2-bit"
-                 " values, decaying error feedback, outer sgd(1)")
+                 f" values, decaying error feedback, outer sgd(1), delay {delay}, alpha {alpha:g}")
   comps = {"diloco": None, "diloco-topk": jaxcomp.topk(axis_name=AXIS), "diloco-qsgd":
            jaxcomp.qsgd(axis_name=AXIS), "diloco-fp4": jaxcomp.fp4(axis_name=AXIS),
            "streaming-fp4": jaxcomp.fp4(axis_name=AXIS)}
   frag = fragments if config == "streaming-fp4" else 1
-  stream = {"delay": delay, "alpha": alpha} if frag > 1 else {}
   outer = (optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True) if outer_momentum
            else optax.sgd(outer_lr))
   tx = jaxcomp.diloco(inner, outer, sync_every=sync_every, compressor=comps[config], axis_name=AXIS,
-                      fragments=frag, **stream)
+                      fragments=frag, delay=delay, alpha=alpha)
   method = "dense" if comps[config] is None else config.split("-")[1]
   kind = f"Nesterov sgd({outer_lr:g}, {outer_momentum:g})" if outer_momentum else f"sgd({outer_lr:g})"
-  what = f"DiLoCo, H={sync_every}, {method} pseudo-gradients, outer {kind}"
+  what = f"DiLoCo, H={sync_every}, {method} pseudo-gradients, outer {kind}, delay {delay}, alpha {alpha:g}"
   if frag > 1:
     what = (f"Streaming DiLoCo, H={sync_every}, P={frag}, fp4 outer gradients, delay {delay},"
             f" alpha {alpha:g}, outer {kind}")
@@ -371,9 +372,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"inner steps (default {DEFAULT_STEPS})")
   p.add_argument("--sync-every", type=int, default=SYNC_EVERY, help=f"H (default {SYNC_EVERY})")
   p.add_argument("--fragments", type=int, default=FRAGMENTS, help=f"streaming's P (default {FRAGMENTS})")
-  p.add_argument("--delay", type=int, default=0, help="streaming's overlap tau (default 0)")
+  p.add_argument("--delay", type=int, default=0, help="every DiLoCo configuration's overlap tau (default 0)")
   p.add_argument("--alpha", type=float, default=0.0,
-                 help="streaming's share of the local fragment kept (default 0)")
+                 help="every DiLoCo configuration's share of the local fragment kept at a sync (default 0)")
   p.add_argument("--configs", default="all", help=f"comma-separated from {', '.join(CONFIGS)}; 'all'"
                  " (default); dp always runs first")
   p.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"AdamW's lr (default {DEFAULT_LR:g})")
