@@ -393,8 +393,8 @@ def sparseloco(inner: optax.GradientTransformation, sync_every: int = 16, axis_n
     fragments: as :func:`diloco` (1: every leaf at every sync).
     seed: seeds the compressor's key.
     mean: ``"senders"`` (the reference code's) or ``"workers"``, see :func:`chunked_topk`.
-    delay, alpha: as :func:`diloco`. ``alpha=0.5`` (replicas keep half their local fragment at a
-      sync) cut SparseLoCo's gap on every suite task measured (prose +27.9% to +17.2%).
+    delay, alpha: as :func:`diloco` (``alpha=0.5`` cut the gap on the suite's tasks but made the
+      anchor worse on the lm task: docs/diloco.md).
 
   References:
     Sarfi, Thérien, Lidin, Belilovsky, *Communication Efficient LLM Pre-training with SparseLoCo*,
