@@ -320,14 +320,16 @@ def test_docs_example_runs():
   exec(compile(code, "docs/diloco.md", "exec"), {})
 
 
-def test_shard_map_equals_pmap():
-  """The same run under jax.jit(jax.shard_map) over a 1-D mesh gives pmap's parameters bit for bit."""
+@pytest.mark.parametrize("delay,alpha", [(0, 0.0), (1, 0.5)])
+def test_shard_map_equals_pmap(delay, alpha):
+  """The same run under jax.jit(jax.shard_map) over a 1-D mesh (JAX's default check_vma) gives pmap's
+  parameters bit for bit, with and without the overlap."""
   from harness import mesh
   from jax.sharding import PartitionSpec as P
 
   params = jax.tree.map(lambda p: p + 1.0, _tree())
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2, compressor=jaxcomp.topk(0.3, axis_name=AXIS),
-                      axis_name=AXIS)
+                      axis_name=AXIS, delay=delay, alpha=alpha)
   grads = _grads(params, 4, seed=4)
   want, _ = pmap_scan(tx, params, grads)
 

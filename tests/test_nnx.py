@@ -44,6 +44,7 @@ OPTIMIZERS = {
     "recipe_onebit_adamw": lambda: jaxcomp.recipe("onebit", 1e-3, optimizer="adamw", total_steps=3),
     "demo": lambda: jaxcomp.demo(1e-3, compression_topk=4, compression_chunk=16),
     "diloco": lambda: jaxcomp.diloco(optax.adamw(1e-3), sync_every=2),
+    "diloco_delay": lambda: jaxcomp.diloco(optax.adamw(1e-3), sync_every=2, delay=1, alpha=0.5),
     "sparseloco": lambda: jaxcomp.sparseloco(optax.adamw(1e-3), sync_every=2, chunk=64),
     "apply_if_finite": lambda: jaxcomp.apply_if_finite(
         optax.chain(jaxcomp.topk(ratio=0.1), optax.sgd(0.1)), 3, axis_name=None),
