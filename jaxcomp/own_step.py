@@ -162,16 +162,7 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
   n = _slices(mesh, names)
   slow = names[0] if len(names) == 1 else names
 
-  def specs_for(params):
-    given = unbox(param_specs)
-    if given is None:  # every leaf replicated within its slice
-      given = jax.tree.map(lambda _: P(), params)
-    specs = sharded.normalize(given, mesh, names)
-    if jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)) != jax.tree.structure(params):
-      raise ValueError("on_shards: param_specs must be a tree like the parameters (a PartitionSpec,"
-                       f" NamedSharding or None per leaf); got {jax.tree.structure(param_specs)} for"
-                       f" parameters {jax.tree.structure(params)}")
-    return specs
+  specs_for = lambda params: _specs(param_specs, mesh, names, params)  # noqa: E731
 
   def init(params):
     params = unbox(params)  # nnx.Optimizer hands init the model's Variables
@@ -226,6 +217,19 @@ def has_local_steps(tx: optax.GradientTransformation, mesh: Mesh, specs: Any, pa
                                         out_specs=every), params)
   is_diloco = lambda x: isinstance(x, DiLoCoState)  # noqa: E731
   return any(is_diloco(x) for x in jax.tree.leaves(shapes, is_leaf=is_diloco))
+
+
+def _specs(param_specs, mesh: Mesh, names: tuple, params):
+  """``param_specs`` checked against ``params`` (None: every leaf replicated within its slice)."""
+  given = unbox(param_specs)
+  if given is None:
+    given = jax.tree.map(lambda _: P(), params)
+  specs = sharded.normalize(given, mesh, names)
+  if jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)) != jax.tree.structure(params):
+    raise ValueError("on_shards: param_specs must be a tree like the parameters (a PartitionSpec,"
+                     f" NamedSharding or None per leaf); got {jax.tree.structure(param_specs)} for"
+                     f" parameters {jax.tree.structure(params)}")
+  return specs
 
 
 def _layout(tx, mesh: Mesh, grads, params, specs_for: Callable, slow, n: int) -> tuple:
