@@ -220,3 +220,12 @@ def markdown_table(head: List[str], rows: List[List[Any]]) -> str:
 
   sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
   return "\n".join([line(head), sep] + [line(r) for r in rows])
+
+
+def choose(spec: str, allowed, what: str) -> List[str]:
+  """``spec``: "all" or a comma-separated list of ``allowed``; others exit naming ``--what``."""
+  items = list(allowed) if spec == "all" else [x for x in spec.split(",") if x]
+  bad = [x for x in items if x not in allowed]
+  if bad:
+    raise SystemExit(f"--{what} must be 'all' or a comma-separated list of {sorted(allowed)}; got {bad}")
+  return items

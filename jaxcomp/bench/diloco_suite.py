@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from jaxcomp.bench.common import WORKERS, header, markdown_table
+from jaxcomp.bench.common import WORKERS, choose, header, markdown_table
 
 AXIS = "data"
 TARGET = 0.02
@@ -158,8 +158,7 @@ def held_out(task, params, test) -> tuple:
 
 def train(run: Run) -> Run:
   import jaxcomp
-  from jaxcomp.bench.suite import fit
-  from jaxcomp.bench.tasks import TASKS
+  from jaxcomp.bench.tasks import TASKS, fit
 
   t0 = time.perf_counter()
   try:
@@ -244,14 +243,6 @@ def rotation(runs: List[Run]) -> str:
                          f"within {100 * TARGET:g}%"], rows)
 
 
-def _list(spec: str, allowed: Sequence[str], what: str) -> List[str]:
-  items = list(allowed) if spec == "all" else [x for x in spec.split(",") if x]
-  bad = [x for x in items if x not in allowed]
-  if bad:
-    raise SystemExit(f"--{what} must be 'all' or a comma-separated list of {sorted(allowed)}; got {bad}")
-  return items
-
-
 def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
   import jaxcomp
   from jaxcomp.bench.tasks import TASKS
@@ -283,7 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
             if r.config == "dp" or re.search(args.only, r.config)]
     print(table(runs) + "\n\n" + rotation(runs))
     return runs
-  tasks = _list(args.tasks, list(TASKS), "tasks")
+  tasks = choose(args.tasks, list(TASKS), "tasks")
   codecs, outers = args.codecs.split(","), args.outers.split(",")
   for c in codecs:
     compressor(c)

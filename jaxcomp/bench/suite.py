@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from jaxcomp.bench.common import WORKERS, header, markdown_table
+from jaxcomp.bench.common import WORKERS, choose, header, markdown_table
 
 TRANSPORTS = ("gather", "scatter")
 HORIZONS = (300, 1000)
@@ -99,51 +99,12 @@ def _every_leaf_bytes(name, task, optimizer, steps, transport, params) -> int:
                                 workers=WORKERS))
 
 
-def fit(task, tx, params, steps: int, batch: int, seed: int, chunk: int = 100):
-  """Trains ``params`` with ``tx`` on ``task`` (8 workers under ``jax.pmap``, ``batch`` each per step).
-
-  Returns ``(P, S, losses, compile_seconds)``: the per-worker parameters and state after ``steps``
-  steps and the (workers, steps) training losses.
-  """
-  import jax
-  import optax
-
-  import jaxcomp
-
-  train_split = task.data()[0]
-  chunk = math.gcd(steps, chunk)
-
-  def run_steps(p, s, data, idx):
-    def step(carry, i):
-      p, s = carry
-      x, y = task.batch(data, i)
-      loss, g = jax.value_and_grad(task.loss)(p, x, y)
-      u, s = tx.update(g, s, p)
-      return (optax.apply_updates(p, u), s), loss
-
-    (p, s), losses = jax.lax.scan(step, (p, s), idx)
-    return p, s, losses
-
-  data = jaxcomp.per_worker(tuple(np.asarray(a) for a in train_split), WORKERS)
-  P, S = jaxcomp.per_worker(params, WORKERS), jaxcomp.per_worker(tx.init(params), WORKERS)
-  idx0 = task.sample(train_split, chunk, WORKERS, batch, seed, 0)
-  tc = time.perf_counter()
-  compiled = jax.pmap(run_steps, axis_name="data", donate_argnums=(0, 1)).lower(P, S, data, idx0).compile()
-  compile_seconds = time.perf_counter() - tc
-  losses = []
-  for first in range(0, steps, chunk):
-    idx = idx0 if first == 0 else task.sample(train_split, chunk, WORKERS, batch, seed, first)
-    P, S, loss = compiled(P, S, data, idx)
-    losses.append(np.asarray(loss))
-  return P, S, np.concatenate(losses, axis=1), compile_seconds
-
-
 def train(run: Run, chunk: int = 100) -> Run:
   """Trains ``run``'s configuration and fills in its metric, bytes and times (errors in ``run.error``)."""
   import jax
 
   import jaxcomp
-  from jaxcomp.bench.tasks import TASKS
+  from jaxcomp.bench.tasks import TASKS, fit
 
   t0 = time.perf_counter()
   try:
@@ -319,14 +280,6 @@ def plan(tasks, methods, optimizers, horizons, batches, transports, seed) -> Lis
   return out
 
 
-def _list(spec: str, allowed: Sequence[str], what: str) -> List[str]:
-  items = list(allowed) if spec == "all" else [x for x in spec.split(",") if x]
-  bad = [x for x in items if x not in allowed]
-  if bad:
-    raise SystemExit(f"--{what} must be 'all' or a comma-separated list of {sorted(allowed)}; got {bad}")
-  return items
-
-
 def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
   import jax
 
@@ -353,12 +306,12 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
   if args.quick:
     args.tasks, args.steps, args.batch, args.transport = "digits", "100", "small", "gather"
   names = list(dict.fromkeys(list(jaxcomp.METHODS) + list(ADAMW_RECIPES)))
-  tasks = _list(args.tasks, list(TASKS), "tasks")
-  methods = _list(args.methods, names, "methods")
+  tasks = choose(args.tasks, list(TASKS), "tasks")
+  methods = choose(args.methods, names, "methods")
   optimizers = ["sgd", "adamw"] if args.optimizer == "both" else [args.optimizer]
   horizons = [int(s) for s in args.steps.split(",")]
-  batches = _list(args.batch, ["small", "large"], "batch")
-  transports = _list(args.transport, list(TRANSPORTS), "transport")
+  batches = choose(args.batch, ["small", "large"], "batch")
+  transports = choose(args.transport, list(TRANSPORTS), "transport")
   todo = plan(tasks, methods, optimizers, horizons, batches, transports, args.seed)
   try:
     shard, shards = (int(x) for x in args.shard.split("/"))

@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
+import time
 from typing import Any, Callable, Dict, Tuple
 
 import jax
@@ -256,3 +258,40 @@ TASKS: Dict[str, Task] = {
                    {"adamw": 3e-3}, (8, 32), lambda: _corpus("source")[1:], _lm_init("source"),
                    _lm_loss("source"), _lm_metric("source"), context=SOURCE_CONTEXT),
 }
+
+
+def fit(task, tx, params, steps: int, batch: int, seed: int, chunk: int = 100):
+  """Trains ``params`` with ``tx`` on ``task`` (8 workers under ``jax.pmap``, ``batch`` each per step).
+
+  Returns ``(P, S, losses, compile_seconds)``: the per-worker parameters and state after ``steps``
+  steps and the (workers, steps) training losses.
+  """
+  import jaxcomp
+  from jaxcomp.bench.common import WORKERS
+
+  train_split = task.data()[0]
+  chunk = math.gcd(steps, chunk)
+
+  def run_steps(p, s, data, idx):
+    def step(carry, i):
+      p, s = carry
+      x, y = task.batch(data, i)
+      loss, g = jax.value_and_grad(task.loss)(p, x, y)
+      u, s = tx.update(g, s, p)
+      return (optax.apply_updates(p, u), s), loss
+
+    (p, s), losses = jax.lax.scan(step, (p, s), idx)
+    return p, s, losses
+
+  data = jaxcomp.per_worker(tuple(np.asarray(a) for a in train_split), WORKERS)
+  P, S = jaxcomp.per_worker(params, WORKERS), jaxcomp.per_worker(tx.init(params), WORKERS)
+  idx0 = task.sample(train_split, chunk, WORKERS, batch, seed, 0)
+  tc = time.perf_counter()
+  compiled = jax.pmap(run_steps, axis_name="data", donate_argnums=(0, 1)).lower(P, S, data, idx0).compile()
+  compile_seconds = time.perf_counter() - tc
+  losses = []
+  for first in range(0, steps, chunk):
+    idx = idx0 if first == 0 else task.sample(train_split, chunk, WORKERS, batch, seed, first)
+    P, S, loss = compiled(P, S, data, idx)
+    losses.append(np.asarray(loss))
+  return P, S, np.concatenate(losses, axis=1), compile_seconds
