@@ -172,6 +172,7 @@ def _update(tx: CompressionTransformation, updates, state, params=None):
 
   grads, bucket_params = _bucket(full, buckets, leaves, treedef, params, fast, chunks)
   x = method.memory.compensate(tuple(grads), state.memory)
+  x, carry = x if method.memory.carries else (x, None)
   mean, local, extra = _exchange_or_warm_up(method, lambda i: _work_buckets(s, updates, i), x,
                                             state.extra, ctx, bucket_params)
   local = [jnp.where(b.segments.valid(), v, 0.0) if b.segments.has_pads else v
@@ -181,7 +182,7 @@ def _update(tx: CompressionTransformation, updates, state, params=None):
       if chunks else axis
   mean, local, extra = _guard_nonfinite(method.carries_nonfinite(updates), x, mean, local, extra,
                                         state, flag_axis, chunks)
-  memory = _remember(method, x, local, mean, state.memory, buckets, ctx)
+  memory = _remember(method, x, local, mean, state.memory, buckets, ctx, carry)
   out = method.memory.output(tuple(mean), state.memory)
   if chunks:  # every worker's mean chunk, back in whole buckets (fast axis)
     out = hierarchy.all_gather(out, full, fast)
@@ -212,9 +213,11 @@ def _bucket_params(buckets, treedef, params):
   return [layout.pack([b], leaves)[0] if w else None for b, w in zip(buckets, wanted)]
 
 
-def _remember(method: Method, x, local, mean, memory, buckets, ctx: Ctx):
+def _remember(method: Method, x, local, mean, memory, buckets, ctx: Ctx, carry=None):
   """The memory's new state: what was not sent."""
   kwargs = {"mean": tuple(mean)} if method.memory.uses_mean else {}
+  if method.memory.carries:
+    kwargs["carry"] = carry
   if method.memory.masks and method.start_step > 0:
     kwargs["dense_step"] = ctx.count < method.start_step
   return method.memory.update(tuple(x), tuple(local), memory, buckets, **kwargs)

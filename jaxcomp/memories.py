@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.collectives.axis import AxisName, current_axis
-from jaxcomp.protocol import DENSE, Memory
+from jaxcomp.protocol import DENSE, Memory, zero_after
 from jaxcomp.transforms import _args
 
 
@@ -61,15 +61,19 @@ class DGCMemory(Memory):
   gradient, every bucket), ``u <- m u + g``, ``v <- v + u``; the exchange
   sends part of v. ``update``: zero v and u where v was sent (the sent
   entries are the nonzero entries of the local decode, since an exact zero is
-  never selected); v keeps exactly what was not sent. The memory interface
-  does not hand the gradient to ``update``, so u is recovered there as
-  ``v_new - v_old``: the same value up to one float32 rounding of v.
+  never selected); v keeps exactly what was not sent. The new u is the one
+  ``compensate`` computed (handed over as its carry, :attr:`Memory.carries`),
+  written after v (:func:`jaxcomp.protocol.zero_after`), so that neither
+  buffer is read after it is overwritten and XLA needs no copy of the old
+  state. A non-finite u is reset to 0 (as is v where v + u is not finite).
 
   Buckets that travel dense (leaves below ``min_size``, or marked ``dense``)
   send every entry: there v is emptied but u is not masked, so those leaves
   get plain momentum SGD (``u <- m u + g`` sent whole) instead of losing
   their momentum every step.
   """
+
+  carries = True  # compensate() returns (x, u): the new momentum, before masking
 
   def __init__(self, momentum: float, clip_norm: float | None, axis_name: AxisName):
     super().__init__()
@@ -93,25 +97,31 @@ class DGCMemory(Memory):
   def compensate(self, grads, state):
     g = self._clip(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
     u = jax.tree.map(lambda u, g: self.momentum * u.astype(jnp.float32) + g, state.momentum, g)
-    return jax.tree.map(lambda v, u: v.astype(jnp.float32) + u, state.accumulation, u)
+    return jax.tree.map(lambda v, u: v.astype(jnp.float32) + u, state.accumulation, u), u
 
   masks = True  # update() takes ``dense_step``: a traced bool, True on a dense (warm-up) step
 
-  def update(self, x, sent, state, buckets=None, dense_step=None):
+  def _accumulation(self, xb, sb, vb, dense: bool, dense_step):
+    """v after the step: empty where sent (all of a dense bucket), x elsewhere; 0 where x is not finite."""
+    v_dense = Memory.update(self, (xb,), (sb,), (vb,))[0]
+    if dense:
+      return v_dense
+    v = jnp.where((sb == 0) & jnp.isfinite(xb), xb, 0.0).astype(vb.dtype)
+    return v if dense_step is None else jnp.where(dense_step, v_dense, v)
+
+  def update(self, x, sent, state, buckets=None, dense_step=None, carry=None):
     us, vs = [], []
-    for xb, sb, vb, ub, dense in zip(x, sent, state.accumulation, state.momentum,
-                                     self.unmasked(buckets, len(x))):
-      u_dense = jnp.where(jnp.isfinite(xb), xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype)
-      v_dense = Memory.update(self, (xb,), (sb,), (vb,))[0]
+    for xb, sb, vb, ub, uc, dense in zip(x, sent, state.accumulation, state.momentum, carry,
+                                         self.unmasked(buckets, len(x))):
+      v = self._accumulation(xb, sb, vb, dense, dense_step)
+      after = zero_after(v)  # u is written after v, which reads the old u through x
+      u_dense = jnp.where(jnp.isfinite(uc), uc + after, 0.0).astype(ub.dtype)
       if dense:
-        us.append(u_dense)
-        vs.append(v_dense)
-        continue
-      keep = (sb == 0) & jnp.isfinite(xb)
-      u = jnp.where(keep, xb - vb.astype(jnp.float32), 0.0).astype(ub.dtype)
-      v = jnp.where(keep, xb, 0.0).astype(vb.dtype)
-      if dense_step is not None:  # a warm-up step sends every entry: no masking, as a dense bucket
-        u, v = jnp.where(dense_step, u_dense, u), jnp.where(dense_step, v_dense, v)
+        u = u_dense
+      else:
+        u = jnp.where((sb == 0) & jnp.isfinite(uc), uc + after, 0.0).astype(ub.dtype)
+        if dense_step is not None:  # a warm-up step sends every entry: no masking, as a dense bucket
+          u = jnp.where(dense_step, u_dense, u)
       us.append(u)
       vs.append(v)
     return DGCState(momentum=tuple(us), accumulation=tuple(vs))
@@ -141,10 +151,9 @@ class MomentumCorrection(DGCMemory):
   def unmasked(self, buckets, count: int) -> list:
     return super().unmasked(buckets, count) if self.masking else [True] * count
 
-  def update(self, x, sent, state, buckets=None, dense_step=None):
-    masked = super().update(x, sent, state, buckets, dense_step)
+  def _accumulation(self, xb, sb, vb, dense: bool, dense_step):
     # v keeps v - sent everywhere (DGC keeps 0 at sent entries, dropping what quantized values lost).
-    return DGCState(masked.momentum, Memory.update(self, x, sent, state.accumulation))
+    return Memory.update(self, (xb,), (sb,), (vb,))[0]
 
 
 def momentum_correction(momentum: float = 0.9, masking: bool = False) -> MomentumCorrection:

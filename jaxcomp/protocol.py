@@ -96,6 +96,10 @@ class Memory:
   """``update()`` also takes ``dense_step=``: a traced bool, True on a dense
   warm-up step (``configure(start_step=)``), when every entry was sent (DGC)."""
 
+  carries: bool = False
+  """``compensate()`` returns ``(x, carry)`` and ``update()`` takes ``carry=``: a value computed on
+  the way in (DGC's new momentum) handed to the update instead of recomputed there from the old state."""
+
   def __init__(self, beta: float = 1.0, gamma: float = 1.0, enabled: bool = True):
     self.beta, self.gamma, self.enabled = float(beta), float(gamma), bool(enabled)
 
@@ -133,6 +137,20 @@ class Memory:
     if self.gamma == 1.0:
       return mean
     return jax.tree.map(lambda m: m / self.gamma, mean)
+
+
+def zero_after(v: jax.Array) -> jax.Array:
+  """0.0 where ``v`` is finite, NaN-free, computed from ``v``: a data dependency that orders a write.
+
+  A memory writes its new state in place of the old (the state is donated).
+  XLA keeps a bucket-sized copy of the old state when it cannot prove that
+  every reader of the old state (the encode, fused with ``compensate``) runs
+  before the write: ``where(isfinite(x), x, zero_after(sent))`` writes the same
+  values as ``where(isfinite(x), x, 0)``, after ``sent`` exists, and so after
+  the encode (measured: Signum on ResNet-50's gradients, five copies of
+  97 MiB in all gone from the compiled update).
+  """
+  return jnp.where(jnp.isfinite(v), 0.0 * jnp.abs(v), 0.0)
 
 
 # ----------------------------------------------------------------------------

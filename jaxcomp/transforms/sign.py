@@ -18,7 +18,7 @@ from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.layout import Segments
 from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route, zero_after
 from jaxcomp.transforms import _args
 
 TIES = ("zero", "positive")
@@ -233,7 +233,9 @@ class MomentumMemory(Memory):
                         grads, state)
 
   def update(self, x, sent, state, buckets=None):
-    return jax.tree.map(lambda x, m: jnp.where(jnp.isfinite(x), x, 0.0).astype(m.dtype), x, state)
+    # zero_after(sent): m is written after the encode has read the old m (no copy of it)
+    return jax.tree.map(lambda x, s, m: jnp.where(jnp.isfinite(x), x, zero_after(s)).astype(m.dtype),
+                        x, sent, state)
 
 
 def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, ties: str = "zero",
