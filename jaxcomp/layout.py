@@ -60,6 +60,26 @@ def padded(n: int, block: int) -> int:
   return -(-n // block) * block
 
 
+def halves(rows: jax.Array, init: jax.Array, op: Callable) -> jax.Array:
+  """``op``-reduction of each row of ``rows`` (r, c): (r,), as its two half rows in one variadic reduction.
+
+  XLA:CPU hands a plain row reduction to a YNNPACK fusion, and writes out in
+  full first any producer it cannot fuse into it (a compare, a select): a
+  bucket-sized temporary and a pass. A variadic reduction stays one XLA loop
+  fused with its producers (measured on one 6.5M-entry bucket: the row sums
+  of ``|e + 0.1 g|`` 3.7-4.8 ms plain, 2.6-3.2 ms as two halves). Odd rows are
+  reduced plainly. The sum's order differs from a plain reduction's; a
+  maximum is the same.
+  """
+  c = rows.shape[1]
+  if c < 2 or c % 2:
+    return lax.reduce(rows, init, op, (1,))
+  h = c // 2
+  a, b = lax.reduce((rows[:, :h], rows[:, h:]), (init, init),
+                    lambda p, q: (op(p[0], q[0]), op(p[1], q[1])), (1,))
+  return op(a, b)
+
+
 @dataclasses.dataclass(frozen=True)
 class Segments:
   """The leaves of one bucket: static offsets, sizes and views.
@@ -119,11 +139,15 @@ class Segments:
     return v.reshape(-1, self.block)
 
   def sum(self, v: jax.Array) -> jax.Array:
-    """Per-segment sums of ``v`` (length ``length``): (S,)."""
+    """Per-segment sums of ``v`` (length ``length``): (S,).
+
+    Each row is reduced as two half rows in one variadic reduction
+    (:func:`halves`), which XLA:CPU fuses with the producer of ``v``.
+    """
     if self.count == 1:
-      return jnp.sum(v)[None]
-    return jax.ops.segment_sum(jnp.sum(self.rows(v), axis=1), self.row_segment, self.count,
-                               indices_are_sorted=True)
+      return halves(v.reshape(1, -1), jnp.zeros((), v.dtype), lax.add)
+    return jax.ops.segment_sum(halves(self.rows(v), jnp.zeros((), v.dtype), lax.add), self.row_segment,
+                               self.count, indices_are_sorted=True)
 
   def sums(self, *values: jax.Array) -> jax.Array:
     """Per-segment sums of several vectors of one dtype, in one pass: (len(values), S).
@@ -163,10 +187,11 @@ class Segments:
             jax.ops.segment_max(top, self.row_segment, self.count, indices_are_sorted=True))
 
   def max(self, v: jax.Array) -> jax.Array:
-    """Per-segment maxima of ``v``: (S,)."""
+    """Per-segment maxima of ``v``: (S,) (rows reduced as :meth:`sum`'s)."""
+    low = jnp.array(-jnp.inf if jnp.issubdtype(v.dtype, jnp.floating) else jnp.iinfo(v.dtype).min, v.dtype)
     if self.count == 1:
-      return jnp.max(v)[None]
-    return jax.ops.segment_max(jnp.max(self.rows(v), axis=1), self.row_segment, self.count,
+      return halves(v.reshape(1, -1), low, lax.max)
+    return jax.ops.segment_max(halves(self.rows(v), low, lax.max), self.row_segment, self.count,
                                indices_are_sorted=True)
 
   def max_abs(self, v: jax.Array) -> jax.Array:

@@ -146,3 +146,21 @@ def test_this_jax_compiles_what_the_fixtures_hold():
   params = {"w": jnp.zeros((96, 64)), "b": jnp.zeros((64,))}
   assert jaxcomp.collective_bytes(texts["topk"])["total"] == jaxcomp.wire_bytes(tx, params)
   assert np.array_equal(hlo.collectives(texts["pmap"])[0].groups, np.arange(8)[None])
+
+
+def test_a_collective_inside_a_loop_counts_each_trip():
+  """A psum in a ``lax.map`` of 5 trips moves its buffer 5 times: the bytes and the count say so."""
+  import jax
+  from jax import lax
+
+  from jaxcomp.bench import netsim
+
+  step = jax.pmap(lambda x: lax.map(lambda r: lax.psum(r, "i"), x), axis_name="i", devices=jax.devices()[:8])
+  text = step.lower(jnp.ones((8, 5, 100), jnp.float32)).compile().as_text()
+  (c,) = hlo.collectives(text)
+  assert (c.kind, c.repeat, c.once_bytes, c.sent_bytes) == ("all-reduce", 5, 400, 2000)
+  wire = jaxcomp.collective_bytes(text)
+  assert (wire["total"], wire["count"]) == (2000, 5)
+  assert netsim.collectives(text) == [("all-reduce", 400)] * 5
+  # a line alone (no module around it) counts once
+  assert hlo.collectives(c.line)[0].repeat == 1

@@ -15,7 +15,8 @@ compiled pmap step on one 4096 x 4096 leaf (``--no-memory`` skips it).
 
 Options: ``--quick`` (the first 40 gradients of each model, 3 runs),
 ``--methods a,b``, ``--models resnet50,bert``, ``--reps R``, ``--no-memory``, ``--no-timing``,
-``--json PATH``.
+``--json PATH``, ``--bucket-bytes B`` (every method's bucket size: a large value gives each
+exchange one bucket, which shows how much of a method's compile time its number of buckets costs).
 On CPU, ``python -m jaxcomp.bench kernels`` runs under glibc malloc set to keep the
 memory it frees (:mod:`jaxcomp.bench.malloc`; ``--system-malloc`` opts out):
 otherwise every step's temporaries cost fresh pages. The header prints the setting.
@@ -74,19 +75,21 @@ def method_kwargs(name: str, factory: Callable, extra: dict | None = None) -> di
   return {k: v for k, v in kwargs.items() if k in params}
 
 
-def rows(methods: Sequence[str] | None = None, variants: bool = True) -> list[tuple[str, str, dict]]:
-  """``(label, method name, kwargs)`` for every method of ``jaxcomp.METHODS`` (+ variants)."""
+def rows(methods: Sequence[str] | None = None, variants: bool = True,
+         extra: dict | None = None) -> list[tuple[str, str, dict]]:
+  """``(label, method name, kwargs)`` for every method of ``jaxcomp.METHODS`` (+ variants); ``extra``
+  (``bucket_bytes``) is added to every row's settings."""
   import jaxcomp
 
   names = list(jaxcomp.METHODS) if methods is None else list(methods)
   for n in names:
     if n not in jaxcomp.METHODS and n not in VARIANTS:
       raise SystemExit(f"unknown method {n!r}; choose from {sorted(jaxcomp.METHODS) + sorted(VARIANTS)}")
-  out = [(n, n, method_kwargs(n, jaxcomp.METHODS[n])) for n in names if n in jaxcomp.METHODS]
+  out = [(n, n, method_kwargs(n, jaxcomp.METHODS[n], extra)) for n in names if n in jaxcomp.METHODS]
   if variants:
     for label, (base, kw) in VARIANTS.items():
       if base in jaxcomp.METHODS and (methods is None or label in names or base in names):
-        out.append((label, base, method_kwargs(base, jaxcomp.METHODS[base], kw)))
+        out.append((label, base, method_kwargs(base, jaxcomp.METHODS[base], {**kw, **(extra or {})})))
   return out
 
 
@@ -128,7 +131,8 @@ def compile_table(grads, entries) -> dict[str, float]:
           for name, base, kwargs in entries}
 
 
-def compile_apart(model: str, entries, quick: bool) -> dict[str, float] | None:
+def compile_apart(model: str, entries, quick: bool,
+                  bucket_bytes: int | None = None) -> dict[str, float] | None:
   """Compile seconds measured in a child process under the system allocator's setting.
 
   Under the caching malloc (:mod:`jaxcomp.bench.malloc`) XLA compiles up to
@@ -140,7 +144,8 @@ def compile_apart(model: str, entries, quick: bool) -> dict[str, float] | None:
   if os.environ.get("GLIBC_TUNABLES") != malloc.CACHING:
     return None
   argv = [sys.executable, "-m", "jaxcomp.bench", "kernels", "--compile-only", "--models", model,
-          "--methods", ",".join(name for name, _, _ in entries)] + (["--quick"] if quick else [])
+          "--methods", ",".join(name for name, _, _ in entries)] + (["--quick"] if quick else []) \
+      + ([] if bucket_bytes is None else ["--bucket-bytes", str(bucket_bytes)])
   env = dict(os.environ, GLIBC_TUNABLES=malloc.PLAIN)
   out = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
   if out.returncode != 0:
@@ -232,7 +237,12 @@ def main(argv=None) -> None:
                       help="comma-separated gradient shapes to time: resnet50, bert (default both)")
   parser.add_argument("--compile-only", action="store_true",
                       help="print each row's compile seconds as one JSON line (the compile-time process)")
+  parser.add_argument("--bucket-bytes", type=int, default=None,
+                      help="every method's bucket_bytes (default: its own, 25 MiB); a large value puts"
+                           " each exchange's leaves in one bucket")
   args = parser.parse_args(argv)
+  if args.bucket_bytes is not None and args.bucket_bytes < 1:
+    raise SystemExit(f"--bucket-bytes must be >= 1, got {args.bucket_bytes}")
   models = [m for m in args.models.split(",") if m]
   if not models or any(m not in ("resnet50", "bert") for m in models):
     raise SystemExit(f"--models takes resnet50 and/or bert, comma-separated; got {args.models!r}")
@@ -247,7 +257,7 @@ def main(argv=None) -> None:
   if reps < 1:
     raise SystemExit(f"--reps must be >= 1, got {reps}")
   methods = None if args.methods is None else [m for m in args.methods.split(",") if m]
-  entries = rows(methods)
+  entries = rows(methods, extra=None if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes})
 
   named = {"resnet50": ("ResNet-50", shp.resnet50_shapes()), "bert": ("BERT-base", shp.bert_base_shapes())}
   if args.quick:
@@ -270,7 +280,7 @@ def main(argv=None) -> None:
         " step's. Shared machine: other jobs add noise.")
   results: dict = {"reps": reps, "cases": [], "memory": []}
   for model, label, case_shapes in ([] if args.no_timing else cases):
-    compiled = compile_apart(model, entries, args.quick)
+    compiled = compile_apart(model, entries, args.quick, args.bucket_bytes)
     grads = shp.random(case_shapes)
     malloc.grow_heap(malloc.GROW * 4 * sum(int(g.size) for g in grads))  # no first row pays the heap's growth
     results["cases"].extend(run_case(label, grads, entries, reps, compiled=compiled))

@@ -295,8 +295,9 @@ Traffic = Union[Mapping[str, float], Sequence[tuple[str, float]]]  # noqa: UP007
 
 
 def collectives(hlo_text: str) -> list[tuple[str, int]]:
-  """One ``(kind, bytes per worker)`` entry per collective instruction of an HLO module."""
-  return [(c.kind, int(c.sent_bytes)) for c in hlo.collectives(hlo_text)]
+  """One ``(kind, bytes per worker)`` entry per run of a collective instruction of an HLO module
+  (one per trip of a loop around it)."""
+  return [(c.kind, int(c.once_bytes)) for c in hlo.collectives(hlo_text) for _ in range(c.repeat)]
 
 
 def _entries(traffic: Traffic) -> list[tuple[str, float]]:

@@ -63,6 +63,9 @@ class Collective:
       ``source_target_pairs`` are pairs, not groups).
     op_name: the JAX operation it came from (the metadata's ``op_name``), or "".
     line: the instruction's text.
+    repeat: how many times one run of the program runs it: the product of the
+      known trip counts of the while loops around it (``lax.map`` over
+      buckets), 1 outside loops.
   """
 
   kind: str
@@ -71,6 +74,7 @@ class Collective:
   groups: Optional[np.ndarray]
   op_name: str
   line: str
+  repeat: int = 1
 
   @property
   def group_size(self) -> int:
@@ -79,8 +83,14 @@ class Collective:
 
   @property
   def sent_bytes(self) -> float:
-    """Bytes one participant hands to it: an all-reduce's buffer, an all-gather's result over the
-    group size, a reduce-scatter's result times it; the others, their result."""
+    """Bytes one participant hands to it in one run of the program (all :attr:`repeat` runs of it):
+    an all-reduce's buffer, an all-gather's result over the group size, a reduce-scatter's result
+    times it; the others, their result."""
+    return self.repeat * self.once_bytes
+
+  @property
+  def once_bytes(self) -> float:
+    """:attr:`sent_bytes` of one run of the instruction."""
     nbytes = float(sum(self.result_bytes))
     if self.kind == "all-gather":
       return nbytes / self.group_size
@@ -89,11 +99,60 @@ class Collective:
     return nbytes
 
 
-def collectives(text: str) -> List[Collective]:
-  """Every collective instruction of an HLO module's text (or of some of its lines), in order."""
-  header = _module_header(text)
-  out = []
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"\}')
+_CALLS = re.compile(r"\b(?:body|condition|calls|to_apply|branch_computations|true_computation"
+                    r"|false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def repeats(text: str) -> dict:
+  """How many times one run of the module runs each computation: ``{name: count}``.
+
+  A while loop's body counts its known trip count (XLA's ``known_trip_count``,
+  which ``lax.map`` and ``lax.scan`` loops carry) times its caller's count;
+  every other called computation its caller's. A loop without a known trip
+  count counts once. Empty for a text without an ENTRY computation.
+  """
+  calls: dict = {}
+  entry, name = None, None
   for line in text.splitlines():
+    head = _COMPUTATION.match(line)
+    if head and not line.startswith(" "):
+      name = head.group(1)
+      calls.setdefault(name, [])
+      entry = name if line.startswith("ENTRY") else entry
+    elif line.startswith("}"):
+      name = None
+    elif name is not None:
+      trip = _TRIP.search(line)
+      for key_value in _CALLS.finditer(line):
+        factor = int(trip.group(1)) if trip and key_value.group(0).startswith("body=") else 1
+        for callee in re.findall(r"%?([\w.\-]+)", key_value.group(1).strip("{}")):
+          calls[name].append((callee, factor))
+  if entry is None:
+    return {}
+  count: dict = {}
+
+  def visit(comp: str, times: int, depth: int = 0) -> None:
+    count[comp] = count.get(comp, 0) + times
+    if depth < 64:  # HLO computations do not recurse
+      for callee, factor in calls.get(comp, []):
+        visit(callee, times * factor, depth + 1)
+
+  visit(entry, 1)
+  return count
+
+
+def collectives(text: str) -> List[Collective]:
+  """Every collective instruction of an HLO module's text (or of some of its lines), in order,
+  each with how many times one run of the module runs it (:func:`repeats`)."""
+  header = _module_header(text)
+  counts = repeats(text)
+  out, comp = [], None
+  for line in text.splitlines():
+    head = _COMPUTATION.match(line)
+    if head and not line.startswith(" "):
+      comp = head.group(1)
     m = _INSTR.search(line)
     if not m:
       continue
@@ -103,7 +162,8 @@ def collectives(text: str) -> List[Collective]:
       sizes = sizes[len(sizes) // 2:]  # (operands..., results...)
     groups = None if kind == "collective-permute" else replica_groups(line, header)
     op = _OP_NAME.search(line)
-    out.append(Collective(kind, m.group("name"), tuple(sizes), groups, op.group(1) if op else "", line))
+    out.append(Collective(kind, m.group("name"), tuple(sizes), groups, op.group(1) if op else "", line,
+                          max(1, counts.get(comp, 1)) if counts else 1))
   return out
 
 

@@ -43,7 +43,7 @@ def collective_bytes(hlo_text: str) -> Dict[str, Any]:
   """Bytes per participant moved by each kind of collective in ``hlo_text``.
 
   Returns a dict with one entry per collective kind (bytes), ``"total"`` and
-  ``"count"`` (number of collective instructions), ``"received"`` (the
+  ``"count"`` (collectives run: an instruction in a loop of n trips counts n), ``"received"`` (the
   bytes each worker receives when every collective runs as a ring, see
   :func:`received_bytes`), and ``"by_group_size"``
   (bytes per replica-group size: on a mesh of two axes of different sizes,
@@ -61,7 +61,7 @@ def collective_bytes(hlo_text: str) -> Dict[str, Any]:
     out[c.kind] += nbytes
     received += received_bytes(c.kind, nbytes, g)
     by_group[g] = by_group.get(g, 0) + nbytes
-  count = len(found)
+  count = sum(c.repeat for c in found)  # runs: a collective in a loop of n trips counts n
   out = {k: int(v) for k, v in out.items()}
   out["total"] = sum(out[op] for op in _OPS)
   out["count"] = count
