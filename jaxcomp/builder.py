@@ -183,7 +183,7 @@ def _update(tx: CompressionTransformation, updates, state, params=None):
   mean, local, extra = _guard_nonfinite(method.carries_nonfinite(updates), x, mean, local, extra,
                                         state, flag_axis, chunks)
   memory = _remember(method, x, local, mean, state.memory, buckets, ctx, carry)
-  out = method.memory.output(tuple(mean), state.memory)
+  out = method.memory.output(tuple(mean), state.memory, memory)
   if chunks:  # every worker's mean chunk, back in whole buckets (fast axis)
     out = hierarchy.all_gather(out, full, fast)
   out = layout.unpack(full, out, leaves)

@@ -189,9 +189,16 @@ class EF21State(NamedTuple):
 
 
 class EF21(Memory):
-  """EF21 / EF21-SGDM: send ``C(v_i - g_i)``, ``g_i += sent``, ``g += mean``, output ``g``."""
+  """EF21 / EF21-SGDM: send ``C(v_i - g_i)``, ``g_i += sent``, ``g += mean``, output ``g``.
+
+  ``v_i`` is the one ``compensate`` computed (its carry), kept where the step
+  is finite and written after what was sent exists; the output is read from
+  the new ``g``: so no buffer of the old state is read after it is
+  overwritten, and XLA keeps no copy of it.
+  """
 
   uses_mean = True
+  carries = True  # compensate() returns (x, v_i): EF21-SGDM's new velocity (the gradient for EF21)
 
   def __init__(self, momentum: float | None):
     super().__init__()
@@ -209,25 +216,29 @@ class EF21(Memory):
     return jax.tree.map(lambda v, g: (1.0 - e) * v + e * g, state.momentum, g)
 
   def compensate(self, grads, state):
-    return jax.tree.map(lambda v, est: v - est, self._velocity(grads, state), state.estimate)
+    v = self._velocity(grads, state)
+    return jax.tree.map(lambda v, est: v - est, v, state.estimate), v
 
-  def update(self, x, sent, state, buckets=None, mean=None):
+  def update(self, x, sent, state, buckets=None, mean=None, carry=None):
     del buckets
     ok = [jnp.isfinite(xb) for xb in x]
     # g_i advances by exactly the local decode (0 on a non-finite step).
     estimate = tuple(jnp.where(k, est + s, est) for k, est, s in zip(ok, state.estimate, sent))
     shared = tuple(jnp.where(jnp.isfinite(m), g + m, g) for g, m in zip(state.shared, mean))
     momentum = ()
-    if self.eta is not None:  # v_i = x + g_i (the compensated input), kept where finite
-      momentum = tuple(jnp.where(k, xb + est, v)
-                       for k, xb, est, v in zip(ok, x, state.estimate, state.momentum))
+    if self.eta is not None:  # v_i as compensated, kept where finite, written after the encode read it
+      momentum = tuple(jnp.where(k, vc, v + zero_after(s))
+                       for k, vc, v, s in zip(ok, carry, state.momentum, sent))
     return EF21State(estimate, shared, momentum)
 
   def like_params(self, state):
     return state.estimate
 
-  def output(self, mean, state=None):
-    return tuple(g + m for g, m in zip(state.shared, mean))
+  def output(self, mean, state=None, new=None):
+    if new is None:
+      return tuple(g + m for g, m in zip(state.shared, mean))
+    # g + m, read from the new g (g + m where m is finite, g where it is not)
+    return tuple(jnp.where(jnp.isfinite(m), g, g + m) for g, m in zip(new.shared, mean))
 
 
 def ef21(momentum: float | None = None) -> EF21:

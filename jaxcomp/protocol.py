@@ -132,8 +132,9 @@ class Memory:
     """The part of the state in the bucket layout (checked against the gradients' buckets)."""
     return state if self.enabled else None
 
-  def output(self, mean: Any, state: Any = None) -> Any:
-    """The transform's output from the decoded mean (``state``: the memory before this step)."""
+  def output(self, mean: Any, state: Any = None, new: Any = None) -> Any:
+    """The transform's output from the decoded mean (``state``: the memory before this step,
+    ``new``: after it; reading the new state, not the old, spares XLA a copy of the old)."""
     if self.gamma == 1.0:
       return mean
     return jax.tree.map(lambda m: m / self.gamma, mean)
