@@ -1,0 +1,38 @@
+"""benchmarks/compile_buckets.py: compile seconds of three forms per number of buckets (a small run)."""
+
+import importlib.util
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_buckets.py"
+
+
+def _module():
+  spec = importlib.util.spec_from_file_location("compile_buckets", PATH)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_the_three_forms_compute_the_same_and_print_a_row_per_count(capsys):
+  mod = _module()
+  length = 64 * 128
+  xs = [jnp.asarray(np.random.default_rng(i).normal(size=length), jnp.float32) for i in range(3)]
+  results = {}
+  for name, (fn, args) in mod.forms(3, length).items():
+    args = ((xs,) + args[1:]) if name != "map + data" else ((jnp.stack(xs),) + args[1:])
+    results[name] = np.asarray(jnp.stack(list(fn(*args))))
+  np.testing.assert_allclose(results["constants"], results["int32 data"], rtol=1e-6)
+  np.testing.assert_allclose(results["constants"], results["map + data"], rtol=1e-6)
+  mod.main(["--buckets", "1,2", "--length", str(length), "--reps", "1"])
+  rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+  assert [r[0] for r in rows] == ["1", "2"] and all(float(v) > 0 for r in rows for v in r[1:])
+
+
+@pytest.mark.parametrize("argv", [["--buckets", "0"], ["--length", "1000"], ["--reps", "0"]])
+def test_bad_arguments_are_refused(argv):
+  with pytest.raises(SystemExit):
+    _module().main(argv)
