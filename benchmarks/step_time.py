@@ -5,7 +5,7 @@ English prose), one jitted step = loss and gradient, the method's update with
 ``axis_name=None`` (bucket, compensate, encode, decode, residual), AdamW and
 the parameter update, parameters and states donated. Every method at the
 kernel benchmark's settings (``jaxcomp.bench.kernels.rows``). Prints the
-median step in ms over ``--reps`` runs after a warm-up, its ratio to the dense
+median step in ms over ``--reps`` runs after ``--warmup`` untimed ones, its ratio to the dense
 step (``none``) and the compile seconds. Runs on whatever backend JAX picks (a
 GPU where there is one).
 
@@ -14,6 +14,7 @@ GPU where there is one).
 
 import argparse
 import datetime
+import re
 import statistics
 import time
 
@@ -35,21 +36,34 @@ def step_fn(model, tx):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def time_method(model, tx, params, batches, reps):
+_NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
+
+
+def kernels_of(compiled) -> tuple[int, int]:
+  """(instructions that launch work, fusions) in the compiled program's entry computation."""
+  text = compiled.as_text()
+  ops = re.findall(r"^\s+(?:ROOT )?\S+ = \S+ ([a-z\-]+)\(", text[text.index("ENTRY"):], re.M)
+  ops = [op for op in ops if op not in _NOT_KERNELS]
+  return len(ops), ops.count("fusion")
+
+
+def time_method(model, tx, params, batches, reps, warmup=5):
   params = jax.tree.map(lambda p: p.copy(), params)
   state = tx.init(params)
   t0 = time.perf_counter()
   step = step_fn(model, tx).lower(params, state, *batches[0]).compile()
   compile_s = time.perf_counter() - t0
-  params, state, loss = step(params, state, *batches[0])
-  loss.block_until_ready()
+  kernels = kernels_of(step)
+  for _ in range(warmup):  # a GPU runtime's first runs (autotuning, command buffers) are slower
+    params, state, loss = step(params, state, *batches[0])
+    loss.block_until_ready()
   times = []
   for i in range(reps):
     t = time.perf_counter()
     params, state, loss = step(params, state, *batches[1 + i % (len(batches) - 1)])
     loss.block_until_ready()
     times.append(time.perf_counter() - t)
-  return statistics.median(times), compile_s, float(loss)
+  return statistics.median(times), compile_s, kernels
 
 
 def main():
@@ -58,7 +72,8 @@ def main():
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--context", type=int, default=128)
   p.add_argument("--batch", type=int, default=16)
-  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--warmup", type=int, default=5, help="untimed steps after compiling")
   p.add_argument("--methods", default=None, help="comma-separated (default: every method)")
   args = p.parse_args()
   corpus = tf.load()
@@ -73,17 +88,18 @@ def main():
   print(f"# {datetime.date.today()}, {jax.devices()[0].device_kind} ({jax.default_backend()}), jax"
         f" {jax.__version__}; transformer width {args.width}, {args.layers} layers, context {args.context},"
         f" batch {args.batch}: {tf.num_params(params):,} parameters in {len(jax.tree.leaves(params))} leaves")
-  dense_s, dense_c, _ = time_method(model, optax.adamw(1e-3), params, batches, args.reps)
-  print(f"{'method':<14} {'step ms':>8} {'/ dense':>8} {'compile s':>9}")
-  print(f"{'none':<14} {dense_s * 1e3:8.2f} {1.0:8.2f} {dense_c:9.2f}", flush=True)
+  dense_s, dense_c, dense_k = time_method(model, optax.adamw(1e-3), params, batches, args.reps, args.warmup)
+  print(f"{'method':<14} {'step ms':>8} {'/ dense':>8} {'compile s':>9} {'kernels (fusions)':>18}")
+  print(f"{'none':<14} {dense_s * 1e3:8.2f} {1.0:8.2f} {dense_c:9.2f} {dense_k[0]:>9} ({dense_k[1]})",
+        flush=True)
   for label, base, kw in entries:
     try:
       tx = optax.chain(jaxcomp.steady(jaxcomp.METHODS[base](axis_name=None, **kw)), optax.adamw(1e-3))
-      s, c, _ = time_method(model, tx, params, batches, args.reps)
+      s, c, k = time_method(model, tx, params, batches, args.reps, args.warmup)
     except Exception as e:  # noqa: BLE001 - a method that cannot run here is reported, not fatal
       print(f"{label:<14} failed: {type(e).__name__}: {str(e)[:90]}", flush=True)
       continue
-    print(f"{label:<14} {s * 1e3:8.2f} {s / dense_s:8.2f} {c:9.2f}", flush=True)
+    print(f"{label:<14} {s * 1e3:8.2f} {s / dense_s:8.2f} {c:9.2f} {k[0]:>9} ({k[1]})", flush=True)
 
 
 if __name__ == "__main__":
