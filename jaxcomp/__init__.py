@@ -44,7 +44,19 @@ from jaxcomp.warmup import ratio_warmup, warmup_stages
 
 __version__ = "0.1.0"
 
+
+def advise(params, gbps, workers, compute_s, **kwargs):
+  """Every method (and DiLoCo) ranked by its predicted step on a network, with its suite fidelity.
+
+  See :func:`jaxcomp.bench.advise.advise` (``python -m jaxcomp.bench advise`` prints and draws it).
+  """
+  from jaxcomp.bench import advise as _advise
+
+  return _advise.advise(params, gbps, workers, compute_s, **kwargs)
+
+
 __all__ = [
+    "advise",
     # the methods (jaxcomp.METHODS), each a factory of an optax transformation
     "acpsgd",
     "adaq",

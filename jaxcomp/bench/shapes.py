@@ -93,4 +93,18 @@ def random(shapes: Sequence[Shape], seed: int = 0, dtype=jnp.float32) -> list:
   return [jax.random.normal(k, s, dtype) for k, s in zip(keys, shapes)]
 
 
+def llama8b_shard(chips: int) -> dict:
+  """One chip's shards of a Llama-3-8B-shaped tree: each leaf's first axis split over ``chips``."""
+  d, ff, kv, vocab, layers = 4096, 14336, 1024, 128256, 32
+  layer = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d), "w1": (d, ff), "w3": (d, ff),
+           "w2": (ff, d), "attn_norm": (d,), "mlp_norm": (d,)}
+  tree = {"embed": (vocab, d), "lm_head": (d, vocab), "norm": (d,)}
+  tree.update({f"layer{i}": dict(layer) for i in range(layers)})
+
+  def shard(shape):
+    return jax.ShapeDtypeStruct((-(-shape[0] // chips),) + shape[1:], jnp.float32)
+
+  return jax.tree.map(shard, tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
 MODELS = {"resnet50": resnet50_shapes, "bert-base": bert_base_shapes}

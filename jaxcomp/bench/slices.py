@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import optax
 
 import jaxcomp
 from jaxcomp.bench import netsim
 from jaxcomp.bench.common import fmt_bytes, header, markdown_table
+from jaxcomp.bench.shapes import llama8b_shard
 
 METHODS = ("none", "bf16", "qsgd", "signsgd", "topk", "dgc", "powersgd", "sbc", "onebit_adam")
 
@@ -41,20 +40,6 @@ class Setting:
   peak_flops: float = 197e12  # bf16 per chip (TPU v5e)
   mfu: float = 0.4
   latency_s: float = 10e-6
-
-
-def llama8b_shard(chips: int) -> dict:
-  """One chip's shards of a Llama-3-8B-shaped tree: each leaf's first axis split over ``chips``."""
-  d, ff, kv, vocab, layers = 4096, 14336, 1024, 128256, 32
-  layer = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d), "w1": (d, ff), "w3": (d, ff),
-           "w2": (ff, d), "attn_norm": (d,), "mlp_norm": (d,)}
-  tree = {"embed": (vocab, d), "lm_head": (d, vocab), "norm": (d,)}
-  tree.update({f"layer{i}": dict(layer) for i in range(layers)})
-
-  def shard(shape):
-    return jax.ShapeDtypeStruct((-(-shape[0] // chips),) + shape[1:], jnp.float32)
-
-  return jax.tree.map(shard, tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def transform(name: str):
