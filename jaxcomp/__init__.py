@@ -7,6 +7,7 @@ sent compressed, with error feedback in an explicit state.
 
 from jaxcomp import checkpoint, recipes  # checkpoint imports orbax only when called
 from jaxcomp.accounting import traffic, wire_bytes, wire_bytes_by_axis
+from jaxcomp.autoplan import Plan, auto, auto_plan
 from jaxcomp.builder import build
 from jaxcomp.collectives.wire import collective_bytes, measure_wire_bytes, received_bytes
 from jaxcomp.devices import cpu_devices
@@ -57,6 +58,9 @@ def advise(params, gbps, workers, compute_s, **kwargs):
 
 __all__ = [
     "advise",
+    "auto",
+    "auto_plan",
+    "Plan",
     # the methods (jaxcomp.METHODS), each a factory of an optax transformation
     "acpsgd",
     "adaq",

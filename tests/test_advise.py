@@ -55,6 +55,14 @@ def test_the_choice_flips_with_the_bandwidth():
   assert [r.method for r in fast].index("topk") > [r.method for r in fast].index("none")
 
 
+def test_a_method_the_kernel_table_lacks_is_left_out_not_priced_free():
+  kernels = {"cases": [{"method": "none", "case": "c", "seconds": 1e-3, "values": 1000},
+                       {"method": "topk", "case": "c", "seconds": 3e-3, "values": 1000}]}
+  rows = jaxcomp.advise(TREE, 1.0, 8, 0.01, methods=["topk", "bf16"], kernels=kernels, diloco=())
+  assert {r.method for r in rows} == {"none", "topk"}
+  assert "bf16" in adv.unmeasured(kernels) and "fp4" in adv.unmeasured()  # the bundled H200 table
+
+
 def test_frontier_is_not_dominated():
   rows = jaxcomp.advise(TREE, gbps=1.0, workers=8, compute_s=0.01)
   front = adv.frontier(rows)

@@ -90,23 +90,32 @@ def per_value_seconds(kernels: dict) -> dict:
   return {m: sum(v) / len(v) for m, v in out.items()}
 
 
-def method_traffic(name: str, params: Any, workers: int, optimizer: str = "sgd") -> list:
+def unmeasured(kernels: str | dict = "kernels_h200.json") -> list[str]:
+  """The methods of ``jaxcomp.METHODS`` the kernel table has no row for (left out of the ranking)."""
+  from jaxcomp.registry import METHODS
+
+  cost = per_value_seconds(load_json(kernels) if isinstance(kernels, str) else kernels)
+  return [n for n in METHODS if n != "none" and n not in cost]
+
+
+def method_traffic(name: str, params: Any, workers: int, optimizer: str = "sgd", **settings) -> list:
   """``(kind, bytes)`` per collective of a steady step of ``name``'s recipe (``jaxcomp.recipe_method``)
-  for ``optimizer``, the configuration the suite measured (averaged over SBC's delay)."""
+  for ``optimizer``, the configuration the suite measured (averaged over SBC's delay); ``settings``:
+  build options of the recipe (``transport``, ``dense``)."""
   from jaxcomp.accounting import traffic, wire_bytes
   from jaxcomp.rebuild import steady
   from jaxcomp.recipes import recipe_method
   from jaxcomp.transformation import method_of
 
-  tx = steady(recipe_method(name, "data", optimizer=optimizer))
+  tx = steady(recipe_method(name, "data", optimizer=optimizer, **settings))
   method = method_of(tx, params)
   if method.fused is not None:
-    return [("all-reduce", float(wire_bytes(tx, params)))]
+    return [("all-reduce", float(wire_bytes(tx, params, workers=workers)))]
   every = max(b.exchange.sync_every for b in method.buckets(params))
   return [(k, b / every) for k, b in traffic(tx, params, workers=workers)]
 
 
-def _values(params: Any) -> int:
+def value_count(params: Any) -> int:
   import jax
   import numpy as np
 
@@ -124,7 +133,8 @@ def advise(params: Any, gbps: float, workers: int, compute_s: float, *, latency_
   backward seconds per step; ``optimizer``: ``"sgd"`` or ``"adamw"``, whose recipes
   (``jaxcomp.recipe``) give the bytes and whose suite runs the fidelity; ``kernels``: a
   ``python -m jaxcomp.bench kernels --json`` file (or its dict) measured on the device that will
-  train (the methods at the kernel benchmark's settings, not the recipes').
+  train (the methods at the kernel benchmark's settings, not the recipes'); a method it has no
+  row for is left out (:func:`unmeasured`), never priced at no cost.
   """
   from jaxcomp.registry import METHODS
 
@@ -140,8 +150,9 @@ def advise(params: Any, gbps: float, workers: int, compute_s: float, *, latency_
       raise ValueError(f"methods: unknown method {n!r}; choose from {sorted(METHODS)}")
   names = ["none"] + [n for n in names if n != "none"]  # dense float32, the reference, always ranked
   cost = per_value_seconds(load_json(kernels) if isinstance(kernels, str) else kernels)
+  names = [n for n in names if n == "none" or n in cost]  # a method the table lacks is not priced at 0
   fid = (load_json(fidelity) if isinstance(fidelity, str) else fidelity)["methods"]
-  net, nvalues = netsim.flat(workers, gbps, latency), _values(params)
+  net, nvalues = netsim.flat(workers, gbps, latency), value_count(params)
   traffic = {n: method_traffic(n, params, workers, optimizer) for n in set(names) | {"none"}}
   dense_comm = netsim.communication_time(traffic["none"], net)
   parts = {n: (netsim.communication_time(traffic[n], net), cost.get(n, 0.0) * nvalues,
@@ -317,7 +328,7 @@ def main(argv=None) -> list:
   command = "python -m jaxcomp.bench advise " + " ".join(argv if argv is not None else sys.argv[1:])
   print(header(command.strip()))
   kern = load_json(args.kernels)
-  print(f"model {args.model}: {_values(tree):,} values per worker; compute {compute * 1e3:.0f} ms/step"
+  print(f"model {args.model}: {value_count(tree):,} values per worker; compute {compute * 1e3:.0f} ms/step"
         f" ({source}); {args.workers} workers, ring collectives, {args.latency_us:g} us per message,"
         f" {'overlap with backprop' if args.overlap else 'no overlap'};"
         f" compression from: {kern.get('source', args.kernels)} (encode + decode; a gathered method's"
@@ -328,6 +339,9 @@ def main(argv=None) -> list:
                   optimizer=args.optimizer, kernels=kern, methods=methods)
     print(f"\n{args.model} at {g:g} Gb/s per worker:\n{table(rows)}", flush=True)
     panels.append((f"{args.model}, {args.workers} workers at {g:g} Gb/s", rows))
+  left = [n for n in unmeasured(kern) if methods is None or n in methods]
+  if left:
+    print(f"\nnot ranked (no row in the kernel table): {', '.join(left)}")
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"advise_{args.model}.png")
   device = kern.get("device", args.kernels)
