@@ -22,3 +22,6 @@ def test_dense_bytes_are_the_shards_and_compression_never_slows_the_model():
   for name, row in table.items():
     assert float(row[4].rstrip("x")) >= 1.0, name
   assert float(table["topk"][1].replace(",", "")) < dense / 50
+  for h in slices.DILOCO_H:  # DiLoCo: the dense exchange once every H steps
+    assert float(table[f"diloco H={h}"][1].replace(",", "")) == np.round(dense / h)
+    np.testing.assert_allclose(float(table[f"diloco H={h}"][2]), float(table["none"][2]) / h, atol=2e-3)

@@ -29,6 +29,8 @@ from jaxcomp.bench.common import fmt_bytes, header, markdown_table
 from jaxcomp.bench.shapes import llama8b_shard
 
 METHODS = ("none", "bf16", "qsgd", "signsgd", "topk", "dgc", "powersgd", "sbc", "onebit_adam")
+DILOCO_H = (16, 64)  # DiLoCo rows: the dense float32 exchange once every H steps
+ACROSS_REGIONS_S = 30e-3  # latency per message between regions (an assumption: tens of ms of round trip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +52,23 @@ def transform(name: str):
   return jaxcomp.METHODS[name](axis_name="dcn")
 
 
+def _traffic(s: Setting, shard) -> list:
+  """``(label, collectives, sync every)`` of each method and DiLoCo row."""
+  out = []
+  for name in METHODS:
+    tx = transform(name)
+    every = max(b.exchange.sync_every for b in jaxcomp.method_of(tx, shard).buckets(shard))
+    out.append((name, jaxcomp.traffic(tx, shard, workers=s.slices), every))
+  out += [(f"diloco H={h}", out[0][1], h) for h in DILOCO_H]
+  return out
+
+
 def rows(s: Setting, gbps: tuple) -> list:
   shard = llama8b_shard(s.chips)
   params = 8.03e9
   compute = 6 * params * s.tokens_per_chip / (s.peak_flops * s.mfu)
   out, dense = [], {}
-  for name in METHODS:
-    tx = transform(name)
-    traffic = jaxcomp.traffic(tx, shard, workers=s.slices)
-    every = max(b.exchange.sync_every for b in jaxcomp.method_of(tx, shard).buckets(shard))
+  for name, traffic, every in _traffic(s, shard):
     nbytes = sum(b for _, b in traffic) / every
     row = [name, fmt_bytes(nbytes)]
     for g in gbps:
@@ -80,9 +90,11 @@ def table(s: Setting, gbps: tuple) -> str:
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(prog="python -m jaxcomp.bench slices", description=__doc__.splitlines()[0])
-  ap.add_argument("--gbps", default="25,100", help="per-host bandwidth between slices, Gb/s")
+  ap.add_argument("--gbps", default="1,10,25,100", help="per-host bandwidth between slices, Gb/s")
   for f in dataclasses.fields(Setting):
     ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+  ap.add_argument("--regions", action="store_true",
+                  help="also the table across regions (30 ms per message, assumed)")
   args = ap.parse_args(argv)
   s = Setting(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Setting)})
   gbps = tuple(float(g) for g in args.gbps.split(","))
@@ -90,5 +102,9 @@ def main(argv=None) -> None:
   print(f"Llama-3-8B shapes (8.03e9 parameters), {s.slices} slices x {s.chips} chips, FSDP inside a slice"
         f" ({s.chips_per_host} chips per host share its link), {s.tokens_per_chip} tokens per chip per step,"
         f" compute at {s.peak_flops:.3g} FLOP/s x {s.mfu} MFU, {s.latency_s * 1e6:g} us latency, ring"
-        " collectives, no overlap, compression not priced.\n")
+        " collectives, no overlap, compression not priced; DiLoCo H: the dense exchange every H steps"
+        " (its inner steps' loss not priced).\n")
   print(table(s, gbps))
+  if args.regions:
+    print(f"\nacross regions: {ACROSS_REGIONS_S * 1e3:g} ms per message (assumed)\n")
+    print(table(dataclasses.replace(s, latency_s=ACROSS_REGIONS_S), gbps))
