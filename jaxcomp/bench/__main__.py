@@ -28,6 +28,7 @@ SUBCOMMANDS = {
     "lm": "jaxcomp.bench.lm",  # the transformer language model task
     "slices": "jaxcomp.bench.slices",  # a sharded 8B model across slices, priced by the network model
     "advise": "jaxcomp.bench.advise",  # every method ranked by predicted step on a network, with fidelity
+    "netcheck": "jaxcomp.bench.netcheck",  # the network model against measured collectives
     "suite": "jaxcomp.bench.suite",  # every recipe on five real tasks, horizons, batches, transports
     "diloco-suite": "jaxcomp.bench.diloco_suite",  # DiLoCo's settings on the suite's tasks, one held out
 }
