@@ -184,13 +184,9 @@ def pass_rate(row: Row) -> float | None:
 
 def frontier(rows: Sequence[Row]) -> list[Row]:
   """The rows no other row beats on both step time and pass rate (DiLoCo rows left out)."""
-  pts = sorted((r for r in rows if pass_rate(r) is not None), key=lambda r: (r.step, -pass_rate(r)))
-  out, best = [], -1.0
-  for r in pts:
-    if pass_rate(r) > best:
-      out.append(r)
-      best = pass_rate(r)
-  return out
+  from jaxcomp.bench.common import frontier as pareto
+
+  return [p[0] for p in pareto([(r, r.step, pass_rate(r)) for r in rows if pass_rate(r) is not None])]
 
 
 def fidelity_from_recipes(markdown: str) -> dict:
@@ -242,25 +238,8 @@ def table(rows: Sequence[Row]) -> str:
                          "step ms", "vs dense f32", "suite runs within target"], body)
 
 
-def _labels(rows: Sequence[Row]) -> list:
-  """``(text, point, upward offset)``: one label per group of points that would print on top of each
-  other (within 3% in time and 1 point), stacked where labels on one row would run into each other."""
-  groups: list = []
-  for r in sorted(rows, key=lambda r: r.step):
-    x, y = r.step * 1e3, 100 * pass_rate(r)
-    name = "dense f32" if r.method == "none" else "dense bf16" if r.method == "bf16" else r.method
-    for g in groups:
-      if abs(g[1][1] - y) < 1.0 and x < g[1][0] * 1.03:
-        g[0].append(name)
-        break
-    else:
-      groups.append(([name], (x, y)))
-  out, placed = [], []  # labels near one another on a row stack upwards
-  for names, (x, y) in groups:
-    k = sum(1 for px, py in placed if abs(py - y) < 1.0 and x < px * 1.3)
-    placed.append((x, y))
-    out.append((", ".join(names), (x, y), 3 + 9 * k))
-  return out
+def _name(r: Row) -> str:
+  return {"none": "dense f32", "bf16": "dense bf16"}.get(r.method, r.method)
 
 
 def figure(panels: Sequence[tuple[str, Sequence[Row]]], path: str, title: str) -> None:
@@ -269,20 +248,17 @@ def figure(panels: Sequence[tuple[str, Sequence[Row]]], path: str, title: str) -
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import numpy as np
+
+  from jaxcomp.bench.common import colours, label_points
 
   names = sorted({r.method for _, rows in panels for r in rows if pass_rate(r) is not None})
-  colours = dict(zip(names, plt.cm.turbo(np.linspace(0.03, 0.97, len(names)))))
+  colour = colours(names)
   fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6.0), squeeze=False)
   for ax, (label, rows) in zip(axes[0], panels):
-    for names_at, (x, y), dy in _labels([r for r in rows if pass_rate(r) is not None]):
-      ax.annotate(names_at, (x, y), xytext=(4, dy), textcoords="offset points", fontsize=7,
-                  arrowprops={"arrowstyle": "-", "lw": 0.4} if dy > 3 else None)
-    for r in rows:
-      if pass_rate(r) is None:
-        continue
+    shown = [r for r in rows if pass_rate(r) is not None]
+    for r in shown:
       dense = r.method in ("none", "bf16")
-      ax.scatter(r.step * 1e3, 100 * pass_rate(r), s=160 if dense else 40, color=colours[r.method],
+      ax.scatter(r.step * 1e3, 100 * pass_rate(r), s=160 if dense else 40, color=colour[r.method],
                  marker="*" if dense else "o", edgecolor="black", linewidth=0.5, zorder=3)
     f = frontier(rows)
     ax.plot([r.step * 1e3 for r in f], [100 * pass_rate(r) for r in f], color="black", lw=1, zorder=2)
@@ -294,7 +270,9 @@ def figure(panels: Sequence[tuple[str, Sequence[Row]]], path: str, title: str) -
     ax.grid(alpha=0.3)
   fig.suptitle(f"{title}\n{CAPTION}", fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  for ax, (_, rows) in zip(axes[0], panels):
+    label_points(ax, [(_name(r), r.step * 1e3, 100 * pass_rate(r)) for r in rows if pass_rate(r) is not None])
+  fig.savefig(path, dpi=120, bbox_inches="tight")
   plt.close(fig)
 
 

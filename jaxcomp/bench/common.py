@@ -211,6 +211,57 @@ def style(i: int) -> Dict[str, Any]:
           "linestyle": ("-", "--", ":")[(i // len(colors)) % 3]}
 
 
+def colours(names: List[str]) -> Dict[str, Any]:
+  """One colour per name, none reused (``turbo`` sampled evenly), for figures of many methods."""
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  return dict(zip(names, plt.get_cmap("turbo")(np.linspace(0.03, 0.97, max(len(names), 1))), strict=False))
+
+
+def label_points(ax, points: List[tuple], log_x: bool = True, fontsize: int = 7) -> None:
+  """Labels ``(text, x, y)`` points of ``ax``: one label per group of points that would print on top of
+  each other (within 3% in x on a log axis, 2% of the y range), each moved up until it overlaps no
+  earlier label. Call it after the axes' scales and limits are set."""
+  if not points:
+    return
+  ys = [p[2] for p in points]
+  tol = 0.02 * ((max(ys) - min(ys)) or 1.0)
+  near = (lambda a, b: b < a * 1.03) if log_x else (lambda a, b: abs(b - a) < 0.03 * (abs(a) or 1.0))
+  groups: list = []
+  for text, x, y in sorted(points, key=lambda p: p[1]):
+    for g in groups:
+      if abs(g[2] - y) < tol and near(g[1], x):
+        g[0].append(text)
+        break
+    else:
+      groups.append(([text], x, y))
+  from matplotlib.text import Text
+
+  renderer = ax.figure.canvas.get_renderer()
+  boxes: list = []
+  for texts, x, y in groups:  # each label moved up until its text overlaps no earlier label's
+    for k in range(12):
+      note = ax.annotate(", ".join(texts), (x, y), xytext=(4, 3 + 9 * k), textcoords="offset points",
+                         fontsize=fontsize, arrowprops={"arrowstyle": "-", "lw": 0.4} if k else None)
+      note.update_positions(renderer)  # the text's place is set at draw time otherwise
+      box = Text.get_window_extent(note, renderer)  # the text alone, not its leader line
+      if k == 11 or not any(box.overlaps(b) for b in boxes):
+        break
+      note.remove()
+    boxes.append(box)
+
+
+def frontier(points: List[tuple], higher_is_better: bool = True) -> List[tuple]:
+  """The ``(text, x, y)`` points no other beats on both a smaller x and a better y, by x."""
+  out, best = [], None
+  for p in sorted(points, key=lambda p: (p[1], -p[2] if higher_is_better else p[2])):
+    if best is None or (p[2] > best if higher_is_better else p[2] < best):
+      out.append(p)
+      best = p[2]
+  return out
+
+
 def markdown_table(head: List[str], rows: List[List[Any]]) -> str:
   """A markdown table whose columns are padded to their widest cell."""
   widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]

@@ -49,7 +49,7 @@ import optax
 
 import jaxcomp
 from jaxcomp.bench import netsim
-from jaxcomp.bench.common import WORKERS, fmt_bytes, header, markdown_table, style
+from jaxcomp.bench.common import WORKERS, colours, fmt_bytes, frontier, header, label_points, markdown_table
 from jaxcomp.bench.transformer import (
   CONTEXT,
   EVAL_WINDOWS,
@@ -333,35 +333,47 @@ def targets(runs: List[Run], fragments: int = FRAGMENTS) -> List[str]:
 
 
 def figure(runs: List[Run], out: str, steps: int) -> str:
-  """``loss_vs_bytes.png``: held-out loss against bytes per step (log), one marker per configuration."""
+  """``loss_vs_bytes.png``: held-out loss against bytes per step (log), every configuration labelled."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   ok = [r for r in runs if not r.error and r.mean_bytes > 0 and math.isfinite(r.held_out_loss)]
-  fig, ax = plt.subplots(figsize=(8, 5))
-  for i, r in enumerate(ok):
-    st = style(i)
-    ax.scatter(r.mean_bytes, r.held_out_loss, s=50, marker=st["marker"], color=st["color"], zorder=3,
-               label=f"{r.config}: {r.what}")
-    ax.annotate(r.config, (r.mean_bytes, r.held_out_loss), xytext=(4, 3), textcoords="offset points",
-                fontsize=7, color=st["color"])
+  colour = colours([r.config for r in ok])
+  fig, ax = plt.subplots(figsize=(9, 5.5))
+  for r in ok:
+    ax.scatter(r.mean_bytes, r.held_out_loss, s=50, color=colour[r.config], edgecolor="black",
+               linewidth=0.5, zorder=3)
+  f = frontier([(r.config, r.mean_bytes, r.held_out_loss) for r in ok], higher_is_better=False)
+  ax.plot([p[1] for p in f], [p[2] for p in f], color="black", lw=1, zorder=2, label="frontier")
   dp = next((r for r in ok if r.config == "dp"), None)
   if dp is not None:
     for frac, ls in ((0.02, "--"), (0.03, ":")):
       ax.axhline((1 + frac) * dp.held_out_loss, color="gray", ls=ls, lw=0.8, label=f"dp + {100 * frac:g}%")
   ax.set_xscale("log")
-  ax.set_xlabel("bytes one worker sends per step, averaged over the run")
-  ax.set_ylabel("held-out loss, shared model (nats/char)")
-  ax.set_title(f"Character transformer, {WORKERS} workers, {steps} inner steps, AdamW inside")
+  ax.set_xlabel("bytes one worker sends per step, averaged over the run (log scale)")
+  ax.set_ylabel("held-out loss of the shared model\n(nats per character)")
+  ax.set_title(f"Character transformer, {WORKERS} workers, {steps} inner steps, AdamW inside.\n"
+               "How many bytes can syncing every H steps save, and what does it cost in loss?"
+               " (down and left is better)", fontsize=10)
   ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+  ax.legend(fontsize=8, loc="upper right")
   fig.tight_layout()
+  label_points(ax, [(r.config, r.mean_bytes, r.held_out_loss) for r in ok])
   path = os.path.join(out, "loss_vs_bytes.png")
-  fig.savefig(path, dpi=120)
+  fig.savefig(path, dpi=120, bbox_inches="tight")
   plt.close(fig)
   return path
+
+
+def replot(out: str) -> str:
+  """Redraws ``loss_vs_bytes.png`` from ``out/results.json`` (no training)."""
+  with open(os.path.join(out, "results.json")) as f:
+    saved = json.load(f)
+  fields = {f.name for f in dataclasses.fields(Run)}
+  return figure([Run(**{k: v for k, v in r.items() if k in fields}) for r in saved["runs"]], out,
+                saved["meta"]["steps"])
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -385,6 +397,7 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  " sgd(outer lr), no momentum")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="bench_out_diloco", help="output folder (default bench_out_diloco/)")
+  p.add_argument("--replot", action="store_true", help="only redraw the figure from OUT/results.json")
   p.add_argument("--no-progress", action="store_true")
   args = p.parse_args(argv)
   names = CONFIGS if args.configs.strip() == "all" else [c.strip() for c in args.configs.split(",")]
@@ -400,6 +413,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Run]:
   args = _parse(argv)
+  if args.replot:
+    print(f"wrote {replot(args.out)}")
+    return []
   jaxcomp.cpu_devices(WORKERS)
   corpus = load()
   params = init_params(Transformer(corpus.vocab_size), args.seed)
