@@ -106,24 +106,25 @@ def _price(name, settings, params, workers, optimizer, net, compute_s, cost, ove
 
 
 def auto_plan(params: Any, gbps: float, workers: int, compute_s: float, *, optimizer: str = "sgd",
-              latency_us: float = 10.0, overlap: bool = False, methods: Sequence[str] | None = None,
+              latency_us: float = 10.0, per_node: int = 1, intra_gbps: float = 400.0,
+              overlap: bool = False, methods: Sequence[str] | None = None,
               min_pass_rate: float = 0.9, kernels: str | dict = "kernels_h200.json",
               learning_rate: float = 0.1, axis_name: Any = "data", **recipe_kwargs) -> Plan:
   """The :class:`Plan` of :func:`auto`; ``plan.transform`` is the chosen recipe."""
   import jax
 
   from jaxcomp.bench import advise as adv
-  from jaxcomp.bench import netsim
   from jaxcomp.recipes import recipe
 
-  rows = adv.advise(params, gbps, workers, compute_s, latency_us=latency_us, overlap=overlap,
+  rows = adv.advise(params, gbps, workers, compute_s, latency_us=latency_us, per_node=per_node,
+                    intra_gbps=intra_gbps, overlap=overlap,
                     optimizer=optimizer, kernels=kernels, methods=methods, diloco=())
   if not 0.0 <= min_pass_rate <= 1.0:
     raise ValueError(f"min_pass_rate must be in [0, 1], got min_pass_rate={min_pass_rate!r}")
   names = [r.method for r in rows if adv.pass_rate(r) is not None and adv.pass_rate(r) >= min_pass_rate]
   cost = adv.per_value_seconds(adv.load_json(kernels) if isinstance(kernels, str) else kernels)
-  net = netsim.flat(workers, gbps, latency_us * 1e-6 if latency_us else 0.0)
-  flat_net = netsim.flat(workers, gbps, 0.0)
+  net = adv.network(workers, gbps, latency_us, per_node, intra_gbps)
+  flat_net = adv.network(workers, gbps, 0.0, per_node, intra_gbps)
   leaves, treedef = jax.tree_util.tree_flatten(params)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   priced = []
@@ -145,7 +146,9 @@ def auto_plan(params: Any, gbps: float, workers: int, compute_s: float, *, optim
   mask = jax.tree_util.tree_leaves(settings["dense"]) if "dense" in settings else []
   tx = recipe(name, learning_rate, axis_name, optimizer=optimizer, **settings, **recipe_kwargs)
   return Plan(name, settings, tuple(p for p, m in zip(paths, mask) if m), step, dense_step,
-              f"{workers} workers at {gbps:g} Gb/s, {latency_us:g} us per message",
+              f"{workers} workers at {gbps:g} Gb/s" + (f" between nodes of {per_node} ({intra_gbps:g} Gb/s"
+                                                         " inside)" if per_node > 1 else "")
+              + f", {latency_us:g} us per message",
               tuple((p[1], p[0]) for p in priced), tx)
 
 

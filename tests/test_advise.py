@@ -72,7 +72,24 @@ def test_frontier_is_not_dominated():
                    for r in rows)
 
 
+def test_two_levels_price_the_slow_links_between_nodes():
+  flat = {r.method: r for r in jaxcomp.advise(TREE, 1.0, 32, 0.01, methods=["topk"], diloco=())}
+  two = {r.method: r for r in jaxcomp.advise(TREE, 1.0, 32, 0.01, methods=["topk"], diloco=(), per_node=8,
+                                              intra_gbps=400.0)}
+  assert two["none"].bytes == flat["none"].bytes  # the same program, another network
+  assert two["none"].communication < flat["none"].communication  # 4 nodes share the slow links, not 32
+
+
+def test_llama_sizes():
+  from jaxcomp.bench import shapes
+
+  assert abs(shapes.llama_params("8b") - 8.03e9) < 0.01e9 and abs(shapes.llama_params("70b") - 70.6e9) < 0.1e9
+  tree, compute, _ = adv.model_tree("llama-1b")
+  assert 0 < compute < adv.model_tree("llama-8b")[1]
+
+
 @pytest.mark.parametrize("kwargs, name", [({"workers": 1}, "workers"), ({"gbps": 0.0}, "gbps"),
+                                          ({"per_node": 3}, "per_node"),
                                           ({"compute_s": -1.0}, "compute_s"),
                                           ({"methods": ["nope"]}, "methods"),
                                           ({"optimizer": "lamb"}, "optimizer")])

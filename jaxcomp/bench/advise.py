@@ -43,10 +43,10 @@ from typing import Any, Sequence
 from jaxcomp.bench import netsim
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-MODELS = ("resnet50", "bert-base", "llama-8b")
+MODELS = ("resnet50", "bert-base", "llama-1b", "llama-8b", "llama-70b")
 DILOCO_H = (16, 64)
 LLAMA_CHIPS = 256  # chips per slice that shard the Llama tree (``jaxcomp.bench.slices``)
-LLAMA_COMPUTE_S = 6 * 8.03e9 * 2048 / (197e12 * 0.4)  # slices.Setting: 2048 tokens/chip, v5e bf16, 40% MFU
+LLAMA_TOKENS, LLAMA_FLOPS, LLAMA_MFU = 2048, 197e12, 0.4  # slices.Setting: tokens per chip, v5e bf16, MFU
 CAPTION = ("Which method gives the fastest step on this network, and how often does its recipe hold"
            " accuracy? Up and left is better; the line is the Pareto frontier.")
 
@@ -122,14 +122,31 @@ def value_count(params: Any) -> int:
   return int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(params)))
 
 
+def network(workers: int, gbps: float, latency_us: float = 10.0, per_node: int = 1,
+            intra_gbps: float = 400.0) -> netsim.Network:
+  """A flat ring of ``gbps`` links, or nodes of ``per_node`` workers on ``intra_gbps`` links (two levels)."""
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
+    raise ValueError(f"workers must be an int >= 2, got workers={workers!r}")
+  if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1 or workers % per_node:
+    raise ValueError(f"per_node must be an int >= 1 that divides workers={workers},"
+                     f" got per_node={per_node!r}")
+  gbps = _positive("gbps", gbps)
+  latency = _positive("latency_us", latency_us) * 1e-6 if latency_us else 0.0
+  if per_node == 1:
+    return netsim.flat(workers, gbps, latency)
+  return netsim.two_level(workers, per_node, gbps, _positive("intra_gbps", intra_gbps), latency, latency)
+
+
 def advise(params: Any, gbps: float, workers: int, compute_s: float, *, latency_us: float = 10.0,
-           overlap: bool = False, optimizer: str = "sgd", kernels: str | dict = "kernels_h200.json",
+           per_node: int = 1, intra_gbps: float = 400.0, overlap: bool = False, optimizer: str = "sgd",
+           kernels: str | dict = "kernels_h200.json",
            fidelity: str | dict = "fidelity.json", methods: Sequence[str] | None = None,
            diloco: Sequence[int] = DILOCO_H) -> list[Row]:
   """Every method (and DiLoCo every ``H`` of ``diloco``) on ``params``, fastest predicted step first.
 
   ``params``: the gradient tree (arrays or ``jax.ShapeDtypeStruct``); ``gbps``:
-  each worker's link in Gb/s; ``workers``: N; ``compute_s``: forward and
+  each worker's link in Gb/s (with ``per_node`` > 1: each node's link between nodes, its workers
+  joined by ``intra_gbps`` links: a two-level network); ``workers``: N; ``compute_s``: forward and
   backward seconds per step; ``optimizer``: ``"sgd"`` or ``"adamw"``, whose recipes
   (``jaxcomp.recipe``) give the bytes and whose suite runs the fidelity; ``kernels``: a
   ``python -m jaxcomp.bench kernels --json`` file (or its dict) measured on the device that will
@@ -138,10 +155,8 @@ def advise(params: Any, gbps: float, workers: int, compute_s: float, *, latency_
   """
   from jaxcomp.registry import METHODS
 
-  gbps, compute_s = _positive("gbps", gbps), _positive("compute_s", compute_s)
-  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
-    raise ValueError(f"workers must be an int >= 2, got workers={workers!r}")
-  latency = _positive("latency_us", latency_us) * 1e-6 if latency_us else 0.0
+  net = network(workers, gbps, latency_us, per_node, intra_gbps)
+  compute_s = _positive("compute_s", compute_s)
   if optimizer not in ("sgd", "adamw"):
     raise ValueError(f"optimizer must be 'sgd' or 'adamw', got optimizer={optimizer!r}")
   names = list(METHODS) if methods is None else list(methods)
@@ -152,7 +167,7 @@ def advise(params: Any, gbps: float, workers: int, compute_s: float, *, latency_
   cost = per_value_seconds(load_json(kernels) if isinstance(kernels, str) else kernels)
   names = [n for n in names if n == "none" or n in cost]  # a method the table lacks is not priced at 0
   fid = (load_json(fidelity) if isinstance(fidelity, str) else fidelity)["methods"]
-  net, nvalues = netsim.flat(workers, gbps, latency), value_count(params)
+  nvalues = value_count(params)
   traffic = {n: method_traffic(n, params, workers, optimizer) for n in set(names) | {"none"}}
   dense_comm = netsim.communication_time(traffic["none"], net)
   parts = {n: (netsim.communication_time(traffic[n], net), cost.get(n, 0.0) * nvalues,
@@ -211,9 +226,12 @@ def model_tree(model: str, chips: int = LLAMA_CHIPS) -> tuple[Any, float, str]:
   from jaxcomp.bench import shapes as shp
   from jaxcomp.bench.common import COMPUTE
 
-  if model == "llama-8b":
-    return (shp.llama8b_shard(chips), LLAMA_COMPUTE_S,
-            f"6 x 8.03e9 x 2048 tokens per chip at 197 TFLOP/s x 0.4 MFU (one chip's shard of {chips})")
+  if model.startswith("llama-"):
+    size = model.split("-", 1)[1]
+    n = shp.llama_params(size)
+    return (shp.llama_shard(size, chips), 6 * n * LLAMA_TOKENS / (LLAMA_FLOPS * LLAMA_MFU),
+            f"6 x {n:.3g} parameters x {LLAMA_TOKENS} tokens per chip at {LLAMA_FLOPS / 1e12:g} TFLOP/s x"
+            f" {LLAMA_MFU} MFU (one chip's shard of {chips})")
   if model not in shp.MODELS:
     raise ValueError(f"model must be one of {MODELS}, got model={model!r}")
   return shp.abstract(shp.MODELS[model]()), COMPUTE[model][0], COMPUTE[model][1]
@@ -281,8 +299,11 @@ def _parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="resnet50", choices=MODELS)
   p.add_argument("--gbps", default="1,10,100", help="each worker's link, Gb/s, comma-separated")
-  p.add_argument("--workers", type=int, default=8, help="N (llama-8b: the number of slices)")
+  p.add_argument("--workers", type=int, default=8, help="N (llama-*: the number of slices)")
   p.add_argument("--latency-us", type=float, default=10.0)
+  p.add_argument("--per-node", type=int, default=1,
+                 help="workers per node (> 1: two levels, --gbps between nodes)")
+  p.add_argument("--intra-gbps", type=float, default=400.0, help="the links inside a node (with --per-node)")
   p.add_argument("--overlap", action="store_true", help="communication hidden behind backprop")
   p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
                  help="the recipes (bytes) and suite runs (fidelity) of this optimizer")
@@ -313,7 +334,8 @@ def main(argv=None) -> list:
         " decodes of the other workers' payloads not counted); fidelity from: the suite (data/fidelity.json)")
   panels = []
   for g in gbps:
-    rows = advise(tree, g, args.workers, compute, latency_us=args.latency_us, overlap=args.overlap,
+    rows = advise(tree, g, args.workers, compute, latency_us=args.latency_us, per_node=args.per_node,
+                  intra_gbps=args.intra_gbps, overlap=args.overlap,
                   optimizer=args.optimizer, kernels=kern, methods=methods)
     print(f"\n{args.model} at {g:g} Gb/s per worker:\n{table(rows)}", flush=True)
     panels.append((f"{args.model}, {args.workers} workers at {g:g} Gb/s", rows))

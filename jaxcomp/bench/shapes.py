@@ -93,18 +93,43 @@ def random(shapes: Sequence[Shape], seed: int = 0, dtype=jnp.float32) -> list:
   return [jax.random.normal(k, s, dtype) for k, s in zip(keys, shapes)]
 
 
-def llama8b_shard(chips: int) -> dict:
-  """One chip's shards of a Llama-3-8B-shaped tree: each leaf's first axis split over ``chips``."""
-  d, ff, kv, vocab, layers = 4096, 14336, 1024, 128256, 32
+LLAMA = {  # d_model, MLP width, K/V width, vocabulary, layers: the Llama 3 family's shapes
+    "1b": (2048, 8192, 512, 128256, 16),
+    "8b": (4096, 14336, 1024, 128256, 32),
+    "70b": (8192, 28672, 1024, 128256, 80),
+}
+
+
+def llama_tree(size: str) -> dict:
+  """The (unsharded) parameter shapes of a Llama-3-shaped model of ``size`` (:data:`LLAMA`), as tuples."""
+  if size not in LLAMA:
+    raise ValueError(f"size must be one of {sorted(LLAMA)}, got size={size!r}")
+  d, ff, kv, vocab, layers = LLAMA[size]
   layer = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d), "w1": (d, ff), "w3": (d, ff),
            "w2": (ff, d), "attn_norm": (d,), "mlp_norm": (d,)}
   tree = {"embed": (vocab, d), "lm_head": (d, vocab), "norm": (d,)}
   tree.update({f"layer{i}": dict(layer) for i in range(layers)})
+  return tree
+
+
+def llama_shard(size: str, chips: int) -> dict:
+  """One chip's shards of a Llama-3-shaped tree: each leaf's first axis split over ``chips``."""
 
   def shard(shape):
     return jax.ShapeDtypeStruct((-(-shape[0] // chips),) + shape[1:], jnp.float32)
 
-  return jax.tree.map(shard, tree, is_leaf=lambda x: isinstance(x, tuple))
+  return jax.tree.map(shard, llama_tree(size), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def llama_params(size: str) -> int:
+  """The parameter count of :func:`llama_tree` (8b: 8.03e9)."""
+  shapes = jax.tree.leaves(llama_tree(size), is_leaf=lambda x: isinstance(x, tuple))
+  return sum(int(np.prod(s)) for s in shapes)
+
+
+def llama8b_shard(chips: int) -> dict:
+  """One chip's shards of a Llama-3-8B-shaped tree (:func:`llama_shard`)."""
+  return llama_shard("8b", chips)
 
 
 MODELS = {"resnet50": resnet50_shapes, "bert-base": bert_base_shapes}
