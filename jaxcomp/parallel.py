@@ -109,6 +109,18 @@ def data_parallel(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransform
   return _replicated(loss_fn, tx, mesh, axes, donate)
 
 
+def check_batch(batch: Any, mesh: Mesh, axes: tuple) -> None:
+  """A clear error where the batch's rows do not split evenly over the data axes' workers."""
+  workers = int(np.prod([mesh.shape[a] for a in axes]))
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    rows = (np.shape(x)[0] if np.ndim(x) else 0) * jax.process_count()
+    if rows == 0 or rows % workers:
+      raise ValueError(f"batch: the rows of every leaf must divide evenly over the {workers} workers of"
+                       f" axes {axes} (their leading axis is split); batch{jax.tree_util.keystr(path)}"
+                       f" has shape {np.shape(x)}" + (f" in each of {jax.process_count()} processes"
+                                                     if jax.process_count() > 1 else ""))
+
+
 def _replicated(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool) -> DataParallel:
   """:func:`data_parallel` with the parameters replicated (or, for DiLoCo, one copy per slow worker)."""
   spec = P(axes)
@@ -140,6 +152,7 @@ def _replicated(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool) -> DataParal
     return params, init_state(params)
 
   def run(params, opt_state, batch):
+    check_batch(batch, mesh, axes)
     if "dp" in delegate:
       return delegate["dp"].step(params, opt_state, batch)
     if jax.process_count() > 1:  # this process's rows -> one global batch
@@ -147,6 +160,7 @@ def _replicated(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool) -> DataParal
     return step(params, opt_state, batch)
 
   def lower(params, opt_state, batch):
+    check_batch(batch, mesh, axes)
     return (delegate["dp"].lower if "dp" in delegate else step.lower)(params, opt_state, batch)
 
   return DataParallel(init, run, axes, lower)
@@ -199,6 +213,7 @@ def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) ->
     return jax.device_put(batch, rows)
 
   def run(params, opt_state, batch):
+    check_batch(batch, mesh, axes)
     if "dp" in found:
       return found["dp"].step(params, opt_state, batch)
     if "step" not in found:
@@ -206,6 +221,7 @@ def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) ->
     return found["step"](params, opt_state, placed(batch))
 
   def lower(params, opt_state, batch):
+    check_batch(batch, mesh, axes)
     if "dp" in found:
       return found["dp"].lower(params, opt_state, batch)
     if "step" not in found:

@@ -10,9 +10,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxcomp"
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 600
-CAPABILITIES = {"needs_workers", "masks", "vmappable", "psums", "all_reduces", "scatter_codec", "owner_codec",
-                "wants_params", "selects", "carries_nonfinite", "linear", "shared_key", "block", "uses_mean",
-                "method", "dense_axis_name", "axis_name", "compressor"}
+CAPABILITIES = {"masks", "vmappable", "all_reduces", "scatter_codec", "owner_codec", "wants_params",
+                "selects", "carries_nonfinite", "linear", "shared_key", "block", "uses_mean", "carries",
+                "leaf_segments", "sync_every", "method", "dense_axis_name", "axis_name", "compressor"}
 
 
 def _modules():

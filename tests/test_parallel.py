@@ -68,3 +68,8 @@ def test_bad_arguments_are_named():
     jaxcomp.data_parallel(_loss, tx, "data")
   with pytest.raises(ValueError, match="axes must name"):
     jaxcomp.data_parallel(_loss, tx, _mesh((8,), ("data",)), axes=("model",))
+  dp = jaxcomp.data_parallel(_loss, tx, _mesh((8,), ("data",)))
+  params, state = dp.init(PARAMS)
+  x, y = (np.concatenate([a, a])[:60] for a in _data(0))
+  with pytest.raises(ValueError, match=r"rows of every leaf must divide evenly over the 8 workers.*60, 16"):
+    dp.step(params, state, (x, y))  # 60 rows on 8 workers: named, not JAX's shard_map message

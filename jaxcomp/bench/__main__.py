@@ -15,22 +15,22 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = {
-    "train": "jaxcomp.bench.train",        # the main job (default)
-    "kernels": "jaxcomp.bench.kernels",    # compress+decode speed vs a memory copy
-    "network": "jaxcomp.bench.network",    # alpha-beta network model table
-    "selection": "jaxcomp.bench.selection",  # RedSync selection vs lax.top_k
-    "wire": "jaxcomp.bench.wire",          # payload bits per element, nominal and measured
-    "longrun": "jaxcomp.bench.longrun",    # thousands of steps: bounded residuals, keys, replicas
-    "recipes": "jaxcomp.bench.recipes",    # each method's jaxcomp.recipe as a table
-    "twolevel": "jaxcomp.bench.twolevel",  # flat vs two-level compression on 8 nodes x 8 devices
-    "scale": "jaxcomp.bench.scale",        # gather vs scatter exchange at N = 8 ... 1024
-    "lm": "jaxcomp.bench.lm",  # the transformer language model task
-    "slices": "jaxcomp.bench.slices",  # a sharded 8B model across slices, priced by the network model
-    "advise": "jaxcomp.bench.advise",  # every method ranked by predicted step on a network, with fidelity
-    "netcheck": "jaxcomp.bench.netcheck",  # the network model against measured collectives
-    "suite": "jaxcomp.bench.suite",  # every recipe on five real tasks, horizons, batches, transports
-    "diloco-suite": "jaxcomp.bench.diloco_suite",  # DiLoCo's settings on the suite's tasks, one held out
+SUBCOMMANDS = {  # name: (module, what it does)
+    "train": ("jaxcomp.bench.train", "the main job (default)"),
+    "kernels": ("jaxcomp.bench.kernels", "compress+decode speed vs a memory copy"),
+    "network": ("jaxcomp.bench.network", "alpha-beta network model table"),
+    "selection": ("jaxcomp.bench.selection", "RedSync selection vs lax.top_k"),
+    "wire": ("jaxcomp.bench.wire", "payload bits per element, nominal and measured"),
+    "longrun": ("jaxcomp.bench.longrun", "thousands of steps: bounded residuals, keys, replicas"),
+    "recipes": ("jaxcomp.bench.recipes", "each method's jaxcomp.recipe as a table"),
+    "twolevel": ("jaxcomp.bench.twolevel", "flat vs two-level compression on 8 nodes x 8 devices"),
+    "scale": ("jaxcomp.bench.scale", "gather vs scatter exchange at N = 8 ... 1024"),
+    "lm": ("jaxcomp.bench.lm", "the transformer language model task"),
+    "slices": ("jaxcomp.bench.slices", "a sharded 8B model across slices, priced by the network model"),
+    "advise": ("jaxcomp.bench.advise", "every method ranked by predicted step on a network, with fidelity"),
+    "netcheck": ("jaxcomp.bench.netcheck", "the network model against measured collectives"),
+    "suite": ("jaxcomp.bench.suite", "every recipe on five real tasks, horizons, batches, transports"),
+    "diloco-suite": ("jaxcomp.bench.diloco_suite", "DiLoCo's settings on the suite's tasks, one held out"),
 }
 
 
@@ -76,8 +76,21 @@ def run_lm(argv: list[str]) -> None:
 COMPOSED = {"train": run_train, "network": run_network, "lm": run_lm}
 
 
+def usage() -> str:
+  """``python -m jaxcomp.bench --help``: the subcommands, one line each."""
+  width = max(len(n) for n in SUBCOMMANDS)
+  rows = "\n".join(f"  {n:<{width}}  {what}" for n, (_, what) in SUBCOMMANDS.items())
+  return ("usage: python -m jaxcomp.bench [SUBCOMMAND] [options]\n\n"
+          "Without a subcommand: the main job (train). Subcommands:\n"
+          f"{rows}\n\n`python -m jaxcomp.bench SUBCOMMAND --help` lists a subcommand's options"
+          " (`lm --help` includes --diloco and --mesh).")
+
+
 def main(argv=None) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] in ("-h", "--help"):
+    print(usage())
+    return
   name = "train"
   if argv and argv[0] in SUBCOMMANDS:
     name = argv.pop(0)
@@ -86,7 +99,7 @@ def main(argv=None) -> None:
   if name in COMPOSED:
     COMPOSED[name](argv)
   else:
-    importlib.import_module(SUBCOMMANDS[name]).main(argv)
+    importlib.import_module(SUBCOMMANDS[name][0]).main(argv)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import sys
 from typing import Any, Sequence
 
 from jaxcomp.bench import netsim
+from jaxcomp.bench.common import plain
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 MODELS = ("resnet50", "bert-base", "llama-1b", "llama-8b", "llama-70b")
@@ -295,7 +296,7 @@ def figure(panels: Sequence[tuple[str, Sequence[Row]]], path: str, title: str) -
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m jaxcomp.bench advise", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m jaxcomp.bench advise", description=plain(__doc__),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="resnet50", choices=MODELS)
   p.add_argument("--gbps", default="1,10,100", help="each worker's link, Gb/s, comma-separated")

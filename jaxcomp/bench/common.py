@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -260,6 +261,12 @@ def frontier(points: List[tuple], higher_is_better: bool = True) -> List[tuple]:
       out.append(p)
       best = p[2]
   return out
+
+
+def plain(doc: str) -> str:
+  """A module docstring as a command's ``--help`` text: reST roles and literals as plain words."""
+  doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
+  return re.sub(r"``([^`]+)``", r"\1", doc)
 
 
 def markdown_table(head: List[str], rows: List[List[Any]]) -> str:

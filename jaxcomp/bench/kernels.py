@@ -8,9 +8,9 @@ jitted with its state donated, beside a jitted copy of the same gradients
 timed right before it; the seconds to lower and compile that update; and,
 from the compiled 8-worker pmap step, the number of collectives and the
 temporary bytes against the dense step's. Each figure is printed with its
-target (the speed issue's) and whether it is met.
+target and whether it is met.
 
-Then the memory table of issue 5: the temporary bytes of each method's
+Then a memory table: the temporary bytes of each method's
 compiled pmap step on one 4096 x 4096 leaf (``--no-memory`` skips it).
 
 Options: ``--quick`` (the first 40 gradients of each model, 3 runs),
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxcomp.bench import malloc
-from jaxcomp.bench.common import VARIANTS, header, time_copy, time_update
+from jaxcomp.bench.common import VARIANTS, header, plain, time_copy, time_update
 
 # Ratio of each method's time to a memory copy of the same gradients, on
 # ResNet-50's and BERT-base's shapes (the speed issue's targets); every other
@@ -225,7 +225,7 @@ def run_memory(label: str, shapes, entries, workers: int = 8, out=sys.stdout) ->
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench kernels", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench kernels", description=plain(__doc__),
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="small sizes, 3 runs")
   parser.add_argument("--methods", default=None, help="comma-separated names (default: all of METHODS)")

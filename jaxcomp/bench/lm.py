@@ -242,7 +242,10 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       prog="python -m jaxcomp.bench lm",
       description="Train a small character transformer with every method and compare held-out loss,"
-                  " bytes and predicted step time.")
+                  " bytes and predicted step time.",
+      epilog="Two other modes take their own options: `lm --diloco [--help]` runs DiLoCo, SparseLoCo and"
+             " Streaming DiLoCo against data parallelism; `lm --mesh dcn=2,fsdp=4 [--help]` trains a"
+             " sharded model (FSDP or tensor axes, the recipe over dcn) against a replicated one.")
   p.add_argument("--methods", default="",
                  help="comma-separated names from jaxcomp.METHODS, or with the recipe chain also "
                       f"{', '.join(RECIPE_ONLY)}; 'all' or empty: every one ('none', the dense"

@@ -22,6 +22,8 @@ import argparse
 import dataclasses
 import time
 
+from jaxcomp.bench.common import plain
+
 INT32_MAX = 2 ** 31 - 1
 GROWTH = 2.0  # last-quarter residual norm <= GROWTH * first-half peak
 SUBSET = ("acpsgd", "dgc", "efsignsgd", "powersgd", "qsgd", "randomk", "sbc", "topk")  # the CI subset
@@ -151,7 +153,7 @@ def run(name: str, steps: int = 2000, workers: int = 8, lr: float = 0.02, satura
 
 
 def main(argv: list[str] | None = None) -> None:
-  ap = argparse.ArgumentParser(prog="python -m jaxcomp.bench longrun", description=__doc__)
+  ap = argparse.ArgumentParser(prog="python -m jaxcomp.bench longrun", description=plain(__doc__))
   ap.add_argument("--methods", default="all",
                   help="comma-separated names, 'all', or 'subset' (the CI subset)")
   ap.add_argument("--steps", type=int, default=5000)

@@ -30,6 +30,7 @@ import time
 from typing import Sequence
 
 from jaxcomp.bench import netsim
+from jaxcomp.bench.common import plain
 
 SIZES = tuple(4 * 2 ** k for k in range(10, 25, 2))  # 4 KiB .. 64 MiB (a 25 MiB bucket inside)
 METHODS = ("none", "bf16", "signsgd", "topk", "dgc", "powersgd", "qsgd")
@@ -126,7 +127,7 @@ def report(m: dict, label: str) -> list[tuple[str, float, float]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m jaxcomp.bench netcheck", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m jaxcomp.bench netcheck", description=plain(__doc__),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--settings", default="devices,processes", help="devices, processes (comma-separated)")
   p.add_argument("--devices", type=int, default=8, help="CPU devices of the 'devices' setting")

@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 
 from jaxcomp.bench import netsim
-from jaxcomp.bench.common import COMPUTE, LABELS, VARIANTS, header, time_copy, time_update
+from jaxcomp.bench.common import COMPUTE, LABELS, VARIANTS, header, plain, time_copy, time_update
 
 DEFAULT_METHODS = ("none", "fp16", "bf16", "powersgd", "acpsgd", "topk", "topk[chunked]", "randomk",
                    "signsgd", "qsgd", "dgc")
@@ -287,7 +287,7 @@ class Summary:
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench network", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench network", description=plain(__doc__),
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="resnet50,bert-base", help="resnet50, bert-base")
   parser.add_argument("--methods", default=None,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from jaxcomp.bench.common import plain
+
 
 def table(momentum: float = 0.9) -> str:
   from jaxcomp.recipes import RECIPES
@@ -57,7 +59,7 @@ def adamw_table() -> str:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench recipes", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench recipes", description=plain(__doc__))
   parser.add_argument("--optimizer", default="both", choices=("sgd", "adamw", "both"))
   args = parser.parse_args(argv)
   if args.optimizer in ("sgd", "both"):

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from jaxcomp.bench import netsim
-from jaxcomp.bench.common import COMPUTE, LABELS, header
+from jaxcomp.bench.common import COMPUTE, LABELS, header, plain
 
 WORKERS = (8, 64, 256, 1024)
 GBPS = (1.0, 10.0)
@@ -153,7 +153,7 @@ def measured(methods: Sequence[str] = ("qsgd", "signsgd", "topk"), workers: Sequ
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench scale", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench scale", description=plain(__doc__),
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="resnet50,bert-base")
   parser.add_argument("--methods", default=",".join(METHODS))

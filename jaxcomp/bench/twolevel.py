@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 from jaxcomp.bench import netsim
-from jaxcomp.bench.common import COMPUTE, LABELS
+from jaxcomp.bench.common import COMPUTE, LABELS, plain
 
 DEFAULT_METHODS = ("none", "fp16", "powersgd", "acpsgd", "topk", "signsgd", "qsgd", "dgc")
 NODES, PER_NODE = 8, 8
@@ -85,7 +85,7 @@ def table(models=("resnet50", "bert-base"), methods=DEFAULT_METHODS, gbps=GBPS, 
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench twolevel", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench twolevel", description=plain(__doc__),
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="resnet50,bert-base")
   parser.add_argument("--methods", default=",".join(DEFAULT_METHODS))

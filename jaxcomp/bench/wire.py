@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 
+from jaxcomp.bench.common import plain
+
 
 def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(prog="python -m jaxcomp.bench wire", description=__doc__)
+  ap = argparse.ArgumentParser(prog="python -m jaxcomp.bench wire", description=plain(__doc__))
   ap.add_argument("--methods", default="all", help="comma-separated names, or 'all'")
   ap.add_argument("--workers", type=int, default=8)
   args = ap.parse_args(argv)
