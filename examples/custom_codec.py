@@ -23,7 +23,7 @@ class Int8Codec(Codec):
     return q.astype(jnp.float32) * segs.spread(scale)
 
 
-def int8(axis_name=None, error_feedback: bool = True, **build_kwargs):
+def int8(error_feedback: bool = True, *, axis_name=None, **build_kwargs):
   """Int8 gradients with error feedback, as an optax transformation (``build_kwargs``: see jaxcomp.build)."""
   method = Method("int8", flat_route(CodecExchange(Int8Codec())), Memory(enabled=error_feedback))
   return jaxcomp.build(method, axis_name, **build_kwargs)

@@ -280,8 +280,9 @@ class _Loop:
     return wire_bytes(self.comp, frag, workers=workers)
 
 
+@_args.factory
 def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformation | None = None,
-           sync_every: int = 16, compressor: Any = None, axis_name: AxisName = None,
+           sync_every: int = 16, compressor: Any = None, *, axis_name: AxisName = None,
            fragments: int = 1, delay: int = 0, alpha: float = 0.0) -> CompressedOptimizer:
   """DiLoCo: local steps of ``inner``; every ``sync_every`` steps an outer step on the mean pseudo-gradient.
 
@@ -360,7 +361,8 @@ def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformat
   return tx
 
 
-def sparseloco(inner: optax.GradientTransformation, sync_every: int = 16, axis_name: AxisName = None,
+@_args.factory
+def sparseloco(inner: optax.GradientTransformation, sync_every: int = 16, *, axis_name: AxisName = None,
                density: float = 0.02, bits: int = 2, chunk: int = 4096, decay: float = 0.95,
                outer_lr: float = 1.0, fragments: int = 1, seed: int = 0, mean: str = "senders",
                delay: int = 0, alpha: float = 0.0) -> CompressedOptimizer:
@@ -402,4 +404,5 @@ def sparseloco(inner: optax.GradientTransformation, sync_every: int = 16, axis_n
   """
   lr = _args.positive("outer_lr", outer_lr)
   comp = chunked_topk(density, bits, chunk, decay, axis_name=axis_name, seed=seed, mean=mean)
-  return diloco(inner, optax.sgd(lr), sync_every, comp, axis_name, fragments, delay, alpha)
+  return diloco(inner, optax.sgd(lr), sync_every, comp, axis_name=axis_name, fragments=fragments, delay=delay,
+                alpha=alpha)

@@ -32,8 +32,9 @@ from jaxcomp.collectives.axis import axis_names as _names
 from jaxcomp.transforms import _args
 
 
+@_args.factory
 def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors: int,
-                    axis_name: AxisName) -> optax.GradientTransformationExtraArgs:
+                    *, axis_name: AxisName) -> optax.GradientTransformationExtraArgs:
   """``optax.apply_if_finite`` whose skip decision is agreed across ``axis_name``.
 
   A step is skipped on every worker when the gradient of any worker holds a

@@ -186,9 +186,10 @@ def _learning_rate(value):
   return float(value)
 
 
+@_args.factory
 def demo(learning_rate: float | optax.Schedule, compression_decay: float = 0.999, compression_topk: int = 32,
          compression_chunk: int = 64, weight_decay: float = 0.0, value_dtype: str = "bfloat16",
-         axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None, min_size: int = 0,
+         *, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None, min_size: int = 0,
          dense=None, transport: str = "gather") -> CompressedOptimizer:
   """DeMo: decoupled momentum; only its fast DCT components travel, and the step is their mean's sign.
 

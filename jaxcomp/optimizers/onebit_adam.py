@@ -107,8 +107,9 @@ def scale_by_onebit_adam(compressor: CompressionTransformation, b1: float = 0.9,
   return optax.GradientTransformation(init, update)
 
 
+@_args.factory
 def onebit_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                weight_decay: float = 0.0, freeze_step: int = 100, axis_name: AxisName = None,
+                weight_decay: float = 0.0, freeze_step: int = 100, *, axis_name: AxisName = None,
                 codec: str = "onebit", transport: str = "scatter", seed: int = 0,
                 local_momentum: bool = False, var_floor: float = 0.0, **codec_kwargs):
   """1-bit Adam: a complete optax optimizer that owns its exchange.

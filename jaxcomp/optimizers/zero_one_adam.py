@@ -88,10 +88,11 @@ class _Settings(NamedTuple):
   var_floor: float
 
 
+@_args.factory
 def zero_one_adam(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999,
                   eps: float = 1e-8, weight_decay: float = 0.0, var_freeze_step: int = 100000,
                   var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
-                  axis_name: AxisName = None, codec: str = "onebit", transport: str = "scatter",
+                  *, axis_name: AxisName = None, codec: str = "onebit", transport: str = "scatter",
                   seed: int = 0, var_floor: float = 0.0,
                   **codec_kwargs):
   """0/1 Adam: adaptive variance freezing and skipped rounds, a complete optax optimizer.

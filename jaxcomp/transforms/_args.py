@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 
@@ -75,3 +77,27 @@ def index_dtype(n: int):
   if n <= 65536:
     return np.uint16
   return np.int32
+
+
+RENAMED = {"exchange": "transport"}  # keywords the factories no longer take -> their replacement
+
+
+def factory(f):
+  """A public factory: a keyword it no longer takes (:data:`RENAMED`) is an error that names its
+  replacement, not Python's bare "unexpected keyword argument"."""
+  takes = inspect.signature(f).parameters
+  positional = [n for n, p in takes.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+
+  @functools.wraps(f)
+  def wrapper(*args, **kwargs):
+    if len(args) > len(positional):
+      names = ", ".join(positional)
+      raise TypeError(f"{f.__name__}() takes {len(positional)} positional arguments ({names}),"
+                      f" got {len(args)}: axis_name and the build options are keywords,"
+                      f" {f.__name__}(..., axis_name='data')")
+    for old, new in RENAMED.items():
+      if old in kwargs and old not in takes:
+        raise TypeError(f"{f.__name__}() takes {new}= in place of {old}= (renamed; see CHANGELOG.md)")
+    return f(*args, **kwargs)
+
+  return wrapper

@@ -362,7 +362,8 @@ def _in_order(pieces):
   return _joined([rows for _, rows in sorted(pieces, key=lambda p: p[0])])
 
 
-def acpsgd(rank: int = 4, axis_name: AxisName = None, bucket_bytes: int | None = None,
+@_args.factory
+def acpsgd(rank: int = 4, *, axis_name: AxisName = None, bucket_bytes: int | None = None,
            min_compression_rate: float = 2.0, seed: int = 0, balance_phases: bool = True,
            min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """ACP-SGD: PowerSGD's two factors sent on alternate steps, all layers in one all-reduce.

@@ -221,7 +221,8 @@ class SketchCodec(Codec):
     return means[bins]
 
 
-def sketchml(buckets: int = 64, sample_size: int = 16384, axis_name: AxisName = None,
+@_args.factory
+def sketchml(buckets: int = 64, sample_size: int = 16384, *, axis_name: AxisName = None,
              error_feedback: bool = False, seed: int = 0, bucket_bytes: int | None = None,
              min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """SketchML's quantile sketch: a bucket index per entry plus the bucket means.
@@ -464,7 +465,8 @@ class InceptionnCodec(Codec):
 RELATIVE_BOUND = 2.0 ** -10  # inceptionn's default: the error bound as a fraction of each leaf's largest |x|
 
 
-def inceptionn(error_bound: float | None = None, capacity: float = 1.0, axis_name: AxisName = None,
+@_args.factory
+def inceptionn(error_bound: float | None = None, capacity: float = 1.0, *, axis_name: AxisName = None,
                error_feedback: bool = True, seed: int = 0, bucket_bytes: int | None = None,
                min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather",
                relative_bound: float | None = None):

@@ -17,7 +17,8 @@ from jaxcomp.protocol import DENSE, Codec, CodecExchange, Ctx, Memory, flat_rout
 from jaxcomp.transforms import _args
 
 
-def none(axis_name: AxisName = None, bucket_bytes: int | None = None, dense_axis_name: AxisName = None,
+@_args.factory
+def none(*, axis_name: AxisName = None, bucket_bytes: int | None = None, dense_axis_name: AxisName = None,
          transport: str = "gather"):
   """No compression: the mean over ``axis_name`` in float32 (``lax.pmean``).
 
@@ -123,7 +124,8 @@ def _cast(name: str, dtype: str, axis_name: AxisName, error_feedback: bool, buck
                transport=transport)
 
 
-def fp16(axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes: int | None = None,
+@_args.factory
+def fp16(*, axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes: int | None = None,
          min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """Half-precision allreduce: 2 bytes per element, plus 4 bytes per leaf for a shared scale.
 
@@ -159,7 +161,8 @@ def fp16(axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes:
                dense_axis_name, transport, scaled=True)
 
 
-def bf16(axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes: int | None = None,
+@_args.factory
+def bf16(*, axis_name: AxisName = None, error_feedback: bool = False, bucket_bytes: int | None = None,
          min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """bfloat16 allreduce: 2 bytes per element, float32's range, 8 mantissa bits.
 

@@ -183,7 +183,8 @@ class DGCCodec(Codec):
     return sparse_mean(gathered, segs.length, num)
 
 
-def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: float = 0.9,
+@_args.factory
+def dgc(ratio: float | Schedule = 0.001, *, axis_name: AxisName = None, momentum: float = 0.9,
         sample_ratio: float = 0.01, warmup_steps: int | None = None, max_ratio: float | None = None,
         clip_norm: float | None = CLIP_NORM, seed: int = 0, bucket_bytes: int | None = None,
         min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
@@ -248,8 +249,10 @@ def dgc(ratio: float | Schedule = 0.001, axis_name: AxisName = None, momentum: f
   clip = None if clip_norm is None else _args.positive("clip_norm", clip_norm)
   schedule, top, fixed = _ratio_schedule(ratio, max_ratio, warmup_steps, w)
   if fixed is not None and w:  # DGC's exponential warm-up: stages of dgc at fixed densities
-    return staged([(first, dgc(d, axis_name, m, sr, 0, None, clip, seed, bucket_bytes, min_size, dense,
-                                   dense_axis_name=dense_axis_name, transport=transport))
+    return staged([(first, dgc(d, axis_name=axis_name, momentum=m, sample_ratio=sr, warmup_steps=0,
+                                   max_ratio=None, clip_norm=clip, seed=seed, bucket_bytes=bucket_bytes,
+                                   min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
+                                   transport=transport))
                    for first, d in warmup_stages(fixed, w, start=WARMUP_START)])
   method = Method("dgc", flat_route(DGCExchange(schedule, top, sr)), DGCMemory(m, clip, axis_name),
                   min_size=layout.EVERY_LEAF)

@@ -100,7 +100,8 @@ class FP4Codec(Codec):
     return fp4_decode(code, self._spread(e.astype(jnp.int32) - 127, segs))
 
 
-def fp4(axis_name: AxisName = None, block: int | None = 32, error_feedback: bool = True, seed: int = 0,
+@_args.factory
+def fp4(*, axis_name: AxisName = None, block: int | None = 32, error_feedback: bool = True, seed: int = 0,
         bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
         transport: str = "gather"):
   """4-bit floats (E2M1) with a power-of-two scale per block, error feedback, float32 accumulation.

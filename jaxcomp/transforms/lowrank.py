@@ -302,7 +302,8 @@ class PowerSGDExchange(Exchange):
     return self._compressed(x, segs, extra, ctx)
 
 
-def powersgd(rank: int = 4, axis_name: AxisName = None, min_compression_rate: float = 2.0,
+@_args.factory
+def powersgd(rank: int = 4, *, axis_name: AxisName = None, min_compression_rate: float = 2.0,
              start_step: int = 0, error_feedback: bool = True, seed: int = 0,
              bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
              transport: str = "gather"):

@@ -62,7 +62,8 @@ class QSGDCodec(Codec):
     return segs.spread(norm / s) * q
 
 
-def qsgd(levels: int = 127, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
+@_args.factory
+def qsgd(levels: int = 127, *, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
          bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
          transport: str = "gather"):
   """QSGD: unbiased stochastic quantization to ``levels`` levels per sign.
@@ -140,7 +141,8 @@ class TernGradCodec(Codec):
     return segs.spread(scale) * (packing.unpack(words, 2, segs.length).astype(jnp.float32) - 1.0)
 
 
-def terngrad(clip_sigma: float | None = 2.5, axis_name: AxisName = None,
+@_args.factory
+def terngrad(clip_sigma: float | None = 2.5, *, axis_name: AxisName = None,
              error_feedback: bool = False, seed: int = 0, bucket_bytes: int | None = None,
              min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """TernGrad: stochastic ternary gradients with a per-leaf scale.
@@ -245,7 +247,8 @@ class NaturalCodec(Codec):
     return jnp.where(valid, lax.bitcast_convert_type(word, jnp.float32), 0.0)
 
 
-def natural(bits: int = 8, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
+@_args.factory
+def natural(bits: int = 8, *, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
             bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
             transport: str = "gather"):
   """Natural compression: unbiased stochastic rounding to powers of two.
@@ -367,7 +370,8 @@ class U8bitCodec(Codec):
     return jnp.where(code >= 0x80, -mag, mag)
 
 
-def u8bit(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
+@_args.factory
+def u8bit(*, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0,
           bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
           transport: str = "gather"):
   """Dettmers' 8-bit approximation: a 128-entry table per sign plus the max.

@@ -127,8 +127,9 @@ class RedSyncExchange(Exchange):
     return cap * index + (8 + 8 * segs.count if self.quantize else cap * 4)
 
 
+@_args.factory
 def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bool = False,
-            min_size: int | None = MIN_SIZE, momentum: float | None = None, axis_name: AxisName = None,
+            *, min_size: int | None = MIN_SIZE, momentum: float | None = None, axis_name: AxisName = None,
             seed: int = 0, bucket_bytes: int | None = None, dense=None, dense_axis_name=None,
             transport: str = "gather"):
   """RedSync: residual gradient sparsification with sort-free selection, all-gathered.

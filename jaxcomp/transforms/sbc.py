@@ -350,7 +350,8 @@ def _check_optimizer(optimizer, delay: int) -> None:
                     f" got {optimizer!r}")
 
 
-def sbc(sparsity: float = 0.01, delay: int = 1, axis_name: AxisName = None,
+@_args.factory
+def sbc(sparsity: float = 0.01, delay: int = 1, *, axis_name: AxisName = None,
         capacity: float | None = None, seed: int = 0, bucket_bytes: int | None = None,
         min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather",
         optimizer: optax.GradientTransformation | None = None):

@@ -116,7 +116,8 @@ class VoteCodec(Codec):
     return segs.spread(scale) * vote if self.scaled else vote
 
 
-def signsgd(axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0, ties: str = "zero",
+@_args.factory
+def signsgd(*, axis_name: AxisName = None, error_feedback: bool = False, seed: int = 0, ties: str = "zero",
             bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
             transport: str = "gather"):
   """signSGD with majority vote: 1 bit per entry on the wire.
@@ -189,7 +190,8 @@ class ScaledSignCodec(Codec):
     return segs.spread(scale) * packing.unpack_signs(words, segs.length)
 
 
-def efsignsgd(lr: float = 0.1, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
+@_args.factory
+def efsignsgd(lr: float = 0.1, *, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
               min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """EF-signSGD: scaled signs with error feedback.
 
@@ -238,7 +240,8 @@ class MomentumMemory(Memory):
                         x, sent, state)
 
 
-def signum(momentum: float = 0.9, axis_name: AxisName = None, seed: int = 0, ties: str = "zero",
+@_args.factory
+def signum(momentum: float = 0.9, *, axis_name: AxisName = None, seed: int = 0, ties: str = "zero",
            bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
            transport: str = "gather"):
   """Signum: signSGD with local momentum, 1 bit per entry, majority vote.
@@ -296,7 +299,8 @@ class OneBitCodec(Codec):
     return jnp.where(packing.unpack(words, 1, segs.length) == 1, segs.spread(means[1]), segs.spread(means[0]))
 
 
-def onebit(axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
+@_args.factory
+def onebit(*, axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
            bucket_bytes: int | None = None, min_size: int | None = None, dense=None, dense_axis_name=None,
            transport: str = "gather"):
   """1-bit SGD: one sign bit per entry and two reconstruction values, with error feedback.

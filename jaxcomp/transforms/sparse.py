@@ -213,7 +213,8 @@ class ChunkedTopKCodec(Codec):
     return scatter_mean(sparse, gathered, n, num)
 
 
-def topk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
+@_args.factory
+def topk(ratio: float = 0.01, *, axis_name: AxisName = None, error_feedback: bool = True, seed: int = 0,
          selection: str = "exact", positions: str = "chunk16", values: str = "float32",
          block: int | None = None, scope: str = "layer", bucket_bytes: int | None = None,
          min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
@@ -340,7 +341,8 @@ class RandomKCodec(Codec):
     return jnp.zeros((segs.length,), jnp.float32).at[pos].set(payload, unique_indices=True)
 
 
-def randomk(ratio: float = 0.01, axis_name: AxisName = None, error_feedback: bool = True,
+@_args.factory
+def randomk(ratio: float = 0.01, *, axis_name: AxisName = None, error_feedback: bool = True,
             unbiased: bool = False, seed: int = 0, bucket_bytes: int | None = None,
             min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather"):
   """Random-k sparsification; positions come from the shared key, values are psum-ed.

@@ -297,7 +297,8 @@ class ThresholdCodec(Codec):
     return sparse_mean(gathered, segs.length, num)
 
 
-def threshold(v: float | None = None, capacity: float = 0.1, axis_name: AxisName = None,
+@_args.factory
+def threshold(v: float | None = None, capacity: float = 0.1, *, axis_name: AxisName = None,
               error_feedback: bool = True, seed: int = 0, bucket_bytes: int | None = None,
               min_size: int | None = None, dense=None, dense_axis_name=None, transport: str = "gather",
               v_rms: float | None = None):
@@ -480,7 +481,8 @@ class AdaQCodec(Codec):
     return sparse_mean(gathered, segs.length, num, lambda p: self._sparse(p, segs))
 
 
-def adaq(ratio: float = 0.3, axis_name: AxisName = None, sample_ratio: float = 0.01,
+@_args.factory
+def adaq(ratio: float = 0.3, *, axis_name: AxisName = None, sample_ratio: float = 0.01,
          capacity: float | None = None, encoding: str = "auto", error_feedback: bool = True,
          seed: int = 0, bucket_bytes: int | None = None, min_size: int | None = None, dense=None,
          dense_axis_name=None, transport: str = "gather"):
