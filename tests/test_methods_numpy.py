@@ -1,4 +1,4 @@
-"""The core methods against plain numpy versions of their algorithms, and the builder's contracts."""
+"""Each core method against a plain numpy version of its algorithm, and the builder's contracts."""
 
 import jax
 import jax.numpy as jnp
