@@ -113,12 +113,21 @@ def check_batch(batch: Any, mesh: Mesh, axes: tuple) -> None:
   """A clear error where the batch's rows do not split evenly over the data axes' workers."""
   workers = int(np.prod([mesh.shape[a] for a in axes]))
   for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-    rows = (np.shape(x)[0] if np.ndim(x) else 0) * jax.process_count()
+    rows = (np.shape(x)[0] if len(np.shape(x)) else 0) * jax.process_count()
     if rows == 0 or rows % workers:
       raise ValueError(f"batch: the rows of every leaf must divide evenly over the {workers} workers of"
                        f" axes {axes} (their leading axis is split); batch{jax.tree_util.keystr(path)}"
                        f" has shape {np.shape(x)}" + (f" in each of {jax.process_count()} processes"
                                                      if jax.process_count() > 1 else ""))
+
+
+def place_rows(batch: Any, rows: NamedSharding) -> Any:
+  """The batch as the step takes it: its rows split over the data axes (``rows``). One process: placed
+  from whatever the caller holds (host arrays, or arrays on any mesh, explicit axes included); several:
+  each process's rows become one global batch."""
+  if jax.process_count() > 1:
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
+  return jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, rows), batch)
 
 
 def _replicated(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool) -> DataParallel:
@@ -155,13 +164,13 @@ def _replicated(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool) -> DataParal
     check_batch(batch, mesh, axes)
     if "dp" in delegate:
       return delegate["dp"].step(params, opt_state, batch)
-    if jax.process_count() > 1:  # this process's rows -> one global batch
-      batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
-    return step(params, opt_state, batch)
+    return step(params, opt_state, place_rows(batch, rows))
 
   def lower(params, opt_state, batch):
     check_batch(batch, mesh, axes)
-    return (delegate["dp"].lower if "dp" in delegate else step.lower)(params, opt_state, batch)
+    if "dp" in delegate:
+      return delegate["dp"].lower(params, opt_state, batch)
+    return step.lower(params, opt_state, place_rows(batch, rows))
 
   return DataParallel(init, run, axes, lower)
 
@@ -206,19 +215,13 @@ def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) ->
                      donate_argnums=0)(params)
     return params, jax.jit(on.init)(params)
 
-  def placed(batch):
-    rows = found["rows"]
-    if jax.process_count() > 1:  # this process's rows -> one global batch
-      return jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
-    return jax.device_put(batch, rows)
-
   def run(params, opt_state, batch):
     check_batch(batch, mesh, axes)
     if "dp" in found:
       return found["dp"].step(params, opt_state, batch)
     if "step" not in found:
       raise ValueError("call init(params) before step: init checks param_specs against the parameters")
-    return found["step"](params, opt_state, placed(batch))
+    return found["step"](params, opt_state, place_rows(batch, found["rows"]))
 
   def lower(params, opt_state, batch):
     check_batch(batch, mesh, axes)
@@ -226,7 +229,7 @@ def _sharded(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_specs) ->
       return found["dp"].lower(params, opt_state, batch)
     if "step" not in found:
       raise ValueError("call init(params) before lower: init checks param_specs against the parameters")
-    return found["step"].lower(params, opt_state, placed(batch))
+    return found["step"].lower(params, opt_state, place_rows(batch, found["rows"]))
 
   return DataParallel(init, run, axes, lower)
 
@@ -284,14 +287,11 @@ def _sharded_replicas(loss_fn, tx, mesh: Mesh, axes: tuple, donate: bool, param_
   def run(params, opt_state, batch):
     if "step" not in compiled:
       raise ValueError("call init(params) before step: init checks param_specs against the parameters")
-    if jax.process_count() > 1:  # this process's rows -> one global batch
-      batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(NamedSharding(mesh, rows), x),
-                           batch)
-    return compiled["step"](params, opt_state, batch)
+    return compiled["step"](params, opt_state, place_rows(batch, NamedSharding(mesh, rows)))
 
   def lower(params, opt_state, batch):
     if "step" not in compiled:
       raise ValueError("call init(params) before lower: init checks param_specs against the parameters")
-    return compiled["step"].lower(params, opt_state, batch)
+    return compiled["step"].lower(params, opt_state, place_rows(batch, NamedSharding(mesh, rows)))
 
   return DataParallel(init, run, axes, lower)

@@ -73,3 +73,15 @@ def test_bad_arguments_are_named():
   x, y = (np.concatenate([a, a])[:60] for a in _data(0))
   with pytest.raises(ValueError, match=r"rows of every leaf must divide evenly over the 8 workers.*60, 16"):
     dp.step(params, state, (x, y))  # 60 rows on 8 workers: named, not JAX's shard_map message
+
+
+@pytest.mark.parametrize("diloco", [False, True])
+def test_a_host_batch_on_a_default_mesh(diloco):
+  """``jax.make_mesh``'s default axis types with a host (numpy) batch: the step places the rows itself."""
+  inner = optax.chain(jaxcomp.topk(0.1, axis_name="data"), optax.sgd(0.1))
+  tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2, axis_name="data") if diloco else inner
+  dp = jaxcomp.data_parallel(_loss, tx, jax.make_mesh((8,), ("data",), devices=jax.devices()[:8]))
+  params, state = dp.init(PARAMS)
+  for t in range(2):
+    params, state, loss = dp.step(params, state, _data(t))
+    assert np.isfinite(float(loss))
