@@ -58,7 +58,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 
-def _median_time(call: Callable[[], object], reps: int) -> float:
+def run_times(call: Callable[[], object], reps: int) -> List[float]:
+  """Seconds of each of ``reps`` calls, each waited for (no warm-up)."""
   import jax
 
   times = []
@@ -66,7 +67,11 @@ def _median_time(call: Callable[[], object], reps: int) -> float:
     t = time.perf_counter()
     jax.block_until_ready(call())
     times.append(time.perf_counter() - t)
-  return statistics.median(times)
+  return times
+
+
+def _median_time(call: Callable[[], object], reps: int) -> float:
+  return statistics.median(run_times(call, reps))
 
 
 def time_copy(grads, reps: int) -> float:

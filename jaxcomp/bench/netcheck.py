@@ -26,11 +26,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from typing import Sequence
 
 from jaxcomp.bench import netsim
-from jaxcomp.bench.common import plain
+from jaxcomp.bench.common import plain, run_times
 
 SIZES = tuple(4 * 2 ** k for k in range(10, 25, 2))  # 4 KiB .. 64 MiB (a 25 MiB bucket inside)
 METHODS = ("none", "bf16", "signsgd", "topk", "dgc", "powersgd", "qsgd")
@@ -50,15 +49,11 @@ def fit(sizes: Sequence[float], seconds: Sequence[float], workers: int) -> tuple
 
 
 def _timed(fn, args, reps: int) -> float:
+  """The fastest of ``reps`` runs after a warm-up (the run least disturbed by other work)."""
   import jax
 
   jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return min(times)
+  return min(run_times(lambda: fn(*args), reps))
 
 
 def time_collectives(collectives: Sequence[tuple[str, float]], reps: int) -> float:
