@@ -28,7 +28,7 @@ from jaxcomp import checks, finite, hierarchy, layout
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import Axis, AxisName, axis_names, current_axis
 from jaxcomp.method import Method
-from jaxcomp.protocol import DENSE, CompressState, Ctx, groups, join
+from jaxcomp.protocol import DENSE, CompressState, Ctx, MemoryStep, groups, join
 from jaxcomp.transformation import CompressionTransformation, Settings, record_init
 
 
@@ -171,8 +171,7 @@ def _update(tx: CompressionTransformation, updates, state, params=None):
   ctx = Ctx(axis, step_key, state.count, state.phase)
 
   grads, bucket_params = _bucket(full, buckets, leaves, treedef, params, fast, chunks)
-  x = method.memory.compensate(tuple(grads), state.memory)
-  x, carry = x if method.memory.carries else (x, None)
+  x, carry = method.memory.compensate(tuple(grads), state.memory)
   mean, local, extra = _exchange_or_warm_up(method, lambda i: _work_buckets(s, updates, i), x,
                                             state.extra, ctx, bucket_params)
   local = [jnp.where(b.segments.valid(), v, 0.0) if b.segments.has_pads else v
@@ -215,12 +214,9 @@ def _bucket_params(buckets, treedef, params):
 
 def _remember(method: Method, x, local, mean, memory, buckets, ctx: Ctx, carry=None):
   """The memory's new state: what was not sent."""
-  kwargs = {"mean": tuple(mean)} if method.memory.uses_mean else {}
-  if method.memory.carries:
-    kwargs["carry"] = carry
-  if method.memory.masks and method.start_step > 0:
-    kwargs["dense_step"] = ctx.count < method.start_step
-  return method.memory.update(tuple(x), tuple(local), memory, buckets, **kwargs)
+  dense_step = ctx.count < method.start_step if method.start_step > 0 else None
+  step = MemoryStep(buckets=buckets, mean=tuple(mean), carry=carry, dense_step=dense_step)
+  return method.memory.update(tuple(x), tuple(local), memory, step)
 
 
 def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: Ctx, params):

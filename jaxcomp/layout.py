@@ -212,6 +212,14 @@ class Segments:
     rows = values[self.row_segment]
     return jnp.broadcast_to(rows[:, None], (rows.shape[0], self.block)).reshape(-1)
 
+  def spread_all(self, *values: jax.Array) -> tuple:
+    """:meth:`spread` of several (S,) vectors of one dtype with one gather."""
+    if self.count == 1:
+      return tuple(jnp.broadcast_to(v[0], (self.length,)) for v in values)
+    rows = jnp.stack(values, axis=1)[jnp.asarray(self.row_segment)]
+    shape = (rows.shape[0], self.block)
+    return tuple(jnp.broadcast_to(rows[:, j, None], shape).reshape(-1) for j in range(len(values)))
+
   def valid(self) -> jax.Array:
     """bool (length,): True where an entry belongs to a leaf (not padding)."""
     if not self.has_pads:

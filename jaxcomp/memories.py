@@ -62,7 +62,7 @@ class DGCMemory(Memory):
   sends part of v. ``update``: zero v and u where v was sent (the sent
   entries are the nonzero entries of the local decode, since an exact zero is
   never selected); v keeps exactly what was not sent. The new u is the one
-  ``compensate`` computed (handed over as its carry, :attr:`Memory.carries`),
+  ``compensate`` computed (handed over as its carry, ``MemoryStep.carry``),
   written after v (:func:`jaxcomp.protocol.zero_after`), so that neither
   buffer is read after it is overwritten and XLA needs no copy of the old
   state. A non-finite u is reset to 0 (as is v where v + u is not finite).
@@ -72,8 +72,6 @@ class DGCMemory(Memory):
   get plain momentum SGD (``u <- m u + g`` sent whole) instead of losing
   their momentum every step.
   """
-
-  carries = True  # compensate() returns (x, u): the new momentum, before masking
 
   def __init__(self, momentum: float, clip_norm: float | None, axis_name: AxisName):
     super().__init__()
@@ -99,8 +97,6 @@ class DGCMemory(Memory):
     u = jax.tree.map(lambda u, g: self.momentum * u.astype(jnp.float32) + g, state.momentum, g)
     return jax.tree.map(lambda v, u: v.astype(jnp.float32) + u, state.accumulation, u), u
 
-  masks = True  # update() takes ``dense_step``: a traced bool, True on a dense (warm-up) step
-
   def _accumulation(self, xb, sb, vb, dense: bool, dense_step):
     """v after the step: empty where sent (all of a dense bucket), x elsewhere; 0 where x is not finite."""
     v_dense = Memory.update(self, (xb,), (sb,), (vb,))[0]
@@ -109,10 +105,11 @@ class DGCMemory(Memory):
     v = jnp.where((sb == 0) & jnp.isfinite(xb), xb, 0.0).astype(vb.dtype)
     return v if dense_step is None else jnp.where(dense_step, v_dense, v)
 
-  def update(self, x, sent, state, buckets=None, dense_step=None, carry=None):
+  def update(self, x, sent, state, step=None):
     us, vs = [], []
-    for xb, sb, vb, ub, uc, dense in zip(x, sent, state.accumulation, state.momentum, carry,
-                                         self.unmasked(buckets, len(x))):
+    dense_step = step.dense_step  # a warm-up step (configure(start_step=)) sends every entry
+    for xb, sb, vb, ub, uc, dense in zip(x, sent, state.accumulation, state.momentum, step.carry,
+                                         self.unmasked(step.buckets, len(x))):
       v = self._accumulation(xb, sb, vb, dense, dense_step)
       after = zero_after(v)  # u is written after v, which reads the old u through x
       u_dense = jnp.where(jnp.isfinite(uc), uc + after, 0.0).astype(ub.dtype)
@@ -197,9 +194,6 @@ class EF21(Memory):
   overwritten, and XLA keeps no copy of it.
   """
 
-  uses_mean = True
-  carries = True  # compensate() returns (x, v_i): EF21-SGDM's new velocity (the gradient for EF21)
-
   def __init__(self, momentum: float | None):
     super().__init__()
     self.eta = momentum
@@ -219,8 +213,8 @@ class EF21(Memory):
     v = self._velocity(grads, state)
     return jax.tree.map(lambda v, est: v - est, v, state.estimate), v
 
-  def update(self, x, sent, state, buckets=None, mean=None, carry=None):
-    del buckets
+  def update(self, x, sent, state, step=None):
+    mean, carry = step.mean, step.carry  # carry: compensate's v_i (EF21-SGDM's new velocity)
     ok = [jnp.isfinite(xb) for xb in x]
     # g_i advances by exactly the local decode (0 on a non-finite step).
     estimate = tuple(jnp.where(k, est + s, est) for k, est, s in zip(ok, state.estimate, sent))

@@ -34,6 +34,7 @@ class Method:
   ``stages``: ``(first step, route)`` of each later stage of a schedule (see
   :func:`jaxcomp.staged`); ``route`` is the first stage's. Every stage lays the
   leaves out alike, so the memory and the exchanges' state carry over.
+  ``sync_every``: steps per communication (SBC's delay; for byte rates and the network model).
   ``bucket_bytes``, ``min_size``, ``dense``, ``transport``: see :func:`jaxcomp.build`.
   """
 
@@ -44,6 +45,7 @@ class Method:
   start_step: int = 0
   stages: Tuple[Tuple[int, Callable], ...] = ()
   chunkable: bool = True
+  sync_every: int = 1
   bucket_bytes: int = layout.BUCKET_BYTES
   min_size: int | None = None
   dense: Any = None

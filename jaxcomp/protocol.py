@@ -5,9 +5,9 @@ gradients an :class:`Exchange` that compresses and communicates it. Most
 exchanges are a :class:`Codec` (encode, decode) wrapped in a
 :class:`CodecExchange`; the builder (:mod:`jaxcomp.builder`) runs, per step::
 
-    x = memory.compensate(grads, state.memory)            # error feedback in
+    x, carry = memory.compensate(grads, state.memory)     # error feedback in
     mean, local, extra = exchange.exchange(x, segs, extra, ctx)  # per bucket
-    memory = memory.update(x, local, state.memory)        # keep what was not sent
+    memory = memory.update(x, local, state.memory, MemoryStep(buckets, mean, carry))  # keep what was not sent
     out = memory.output(mean)
 
 Every optional capability of a plugin is a class attribute declared here
@@ -78,6 +78,23 @@ class Ctx(NamedTuple):
 # Memory (error feedback)
 
 
+class MemoryStep(NamedTuple):
+  """What :meth:`Memory.update` gets of the step besides ``x`` and what was sent.
+
+  Attributes:
+    buckets: the step's buckets (:class:`jaxcomp.layout.Bucket`; which travel dense).
+    mean: the decoded mean of every bucket (identical on every worker; EF21 advances by it).
+    carry: what ``compensate`` returned beside ``x`` (DGC's new momentum), or None.
+    dense_step: a traced bool, True on a dense warm-up step (``configure(start_step=)``), when
+      every entry was sent; None for a method without warm-up.
+  """
+
+  buckets: Any = None
+  mean: Any = None
+  carry: Any = None
+  dense_step: Any = None
+
+
 class Memory:
   """Error feedback: ``x = beta * e + gamma * g``; ``e <- x - sent``; output / gamma.
 
@@ -89,17 +106,6 @@ class Memory:
   not finite nothing usable was sent, so the whole finite ``x`` is kept.
   """
 
-  uses_mean: bool = False
-  """``update()`` also takes ``mean=``: the decoded mean of every bucket (EF21)."""
-
-  masks: bool = False
-  """``update()`` also takes ``dense_step=``: a traced bool, True on a dense
-  warm-up step (``configure(start_step=)``), when every entry was sent (DGC)."""
-
-  carries: bool = False
-  """``compensate()`` returns ``(x, carry)`` and ``update()`` takes ``carry=``: a value computed on
-  the way in (DGC's new momentum) handed to the update instead of recomputed there from the old state."""
-
   def __init__(self, beta: float = 1.0, gamma: float = 1.0, enabled: bool = True):
     self.beta, self.gamma, self.enabled = float(beta), float(gamma), bool(enabled)
 
@@ -109,16 +115,17 @@ class Memory:
       return ()
     return jax.tree.map(jnp.zeros_like, params)
 
-  def compensate(self, grads: Any, state: Any) -> Any:
-    """What the exchanges compress: the gradients with the residual added back."""
+  def compensate(self, grads: Any, state: Any) -> Tuple[Any, Any]:
+    """``(x, carry)``: what the exchanges compress (the gradients with the residual added back),
+    and a value computed on the way in that ``update`` reads as ``step.carry`` (None here)."""
     scaled = jax.tree.map(lambda g: self.gamma * g.astype(jnp.float32), grads)
     if not self.enabled:
-      return scaled
-    return jax.tree.map(lambda g, e: self.beta * e.astype(jnp.float32) + g, scaled, state)
+      return scaled, None
+    return jax.tree.map(lambda g, e: self.beta * e.astype(jnp.float32) + g, scaled, state), None
 
-  def update(self, x: Any, sent: Any, state: Any, buckets: Any = None) -> Any:
-    """The new state from ``x`` and what was ``sent`` (``buckets``: the step's buckets)."""
-    del buckets
+  def update(self, x: Any, sent: Any, state: Any, step: Optional["MemoryStep"] = None) -> Any:
+    """The new state from ``x`` and what was ``sent`` (``step``: the rest of the step)."""
+    del step
     if not self.enabled:
       return ()
 
@@ -189,26 +196,6 @@ class Codec(abc.ABC):
   block: int = 1
   """Segments start at multiples of ``block`` and are zero-padded to one."""
 
-  vmappable: bool = True
-  """``encode``/``decode`` may be vmapped over chunks (the scatter exchange);
-  False: run one chunk after another (``lax.map``)."""
-
-  selects: bool = False
-  """A selection (a sparsifier): under ``transport="scatter"`` what a chunk's
-  owner does not select goes back to the workers that sent it."""
-
-  leaf_segments: bool = True
-  """Under ``transport="scatter"`` a chunk is cut at every leaf boundary
-  (:func:`jaxcomp.layout.chunk_segments`), so a per-segment scale or norm
-  never mixes leaves; False (the sparsifiers): one segment per chunk, one
-  budget over it (per-leaf budgets within chunks lost DGC 32, RedSync 75,
-  AdaQ 2.6 and top-k 2.3 points on the suite's MNIST CNN)."""
-
-  @property
-  def owner_codec(self) -> "Codec":
-    """What a chunk owner sends of its reduced chunk under ``transport="scatter"`` (itself by default)."""
-    return self
-
   @abc.abstractmethod
   def encode(self, x: jax.Array, key: jax.Array, segs: layout.Segments) -> Any:
     """The payload of ``x`` (a pytree of arrays of static shapes)."""
@@ -274,9 +261,6 @@ class Exchange(abc.ABC):
   all_reduces: bool = False
   """Its payload travels by all-reduce only (for :func:`jaxcomp.traffic`)."""
 
-  sync_every: int = 1
-  """It communicates once every ``sync_every`` steps (SBC's delay; for the network model)."""
-
   def init_bucket(self, segs: layout.Segments, key: jax.Array) -> Any:
     """The exchange's state for one bucket (``()``: none)."""
     del segs, key
@@ -289,14 +273,6 @@ class Exchange(abc.ABC):
   @abc.abstractmethod
   def bucket_wire_bytes(self, segs: layout.Segments, workers: int | None = None) -> int:
     """Nominal bytes one worker hands to collectives for the bucket (``workers``: N, where it matters)."""
-
-  def scatter_codec(self, ctx: Ctx | None) -> Codec | None:
-    """The codec ``transport="scatter"`` runs in this exchange's place (``ctx`` None: for sizes only).
-
-    None (the default): the exchange has no scatter form.
-    """
-    del ctx
-    return None
 
 
 STACK_MAX = 1 << 16  # segments with more entries than this are not stacked, see groups()
@@ -382,9 +358,6 @@ class CodecExchange(Exchange):
   @property
   def all_reduces(self) -> bool:
     return self.codec.linear
-
-  def scatter_codec(self, ctx):
-    return None if self.codec.linear else self.codec
 
   def exchange(self, x, segs, extra, ctx: Ctx):
     codec = self.codec

@@ -1,15 +1,16 @@
 """The registry of methods: name -> factory, for the benchmarks, the recipes and the ``--method`` flags."""
 
 from jaxcomp.transforms.acpsgd import acpsgd
-from jaxcomp.transforms.codes import inceptionn, sketchml
 from jaxcomp.transforms.dense import bf16, fp16, none
 from jaxcomp.transforms.dgc import dgc
 from jaxcomp.transforms.fp4 import fp4
+from jaxcomp.transforms.inceptionn import inceptionn
 from jaxcomp.transforms.lowrank import powersgd
 from jaxcomp.transforms.quantize import natural, qsgd, terngrad, u8bit
 from jaxcomp.transforms.redsync import redsync
 from jaxcomp.transforms.sbc import sbc
 from jaxcomp.transforms.sign import efsignsgd, onebit, signsgd, signum
+from jaxcomp.transforms.sketchml import sketchml
 from jaxcomp.transforms.sparse import randomk, topk
 from jaxcomp.transforms.threshold import adaq, threshold
 

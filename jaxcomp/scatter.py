@@ -34,12 +34,12 @@ most 2 x leaves + 1 segments): a codec's per-leaf scale or norm applies per leaf
 within each chunk, as in ZeRO++'s blockwise quantization, and never mixes
 leaves (one scale over a whole chunk: 1-bit 63.4% and signSGD 84.6% on the
 suite's MNIST CNN, 300 steps, against 93.7% and 92.9% cut at leaves; dense
-96.1%). A sparsifier (``Codec.leaf_segments = False``) keeps one segment per
+96.1%). A sparsifier (``ScatterCodec.leaf_segments = False``) keeps one segment per
 chunk: it selects ``ratio * C`` entries in each owner's region (its static
 capacity; what is not selected stays in the worker's residual), and the
 owner selects ``ratio * C`` of its summed region again.
 
-A selection (a codec with ``selects = True``: top-k, RedSync) hands back what the
+A selection (a :class:`ScatterCodec` with ``selects = True``: top-k, RedSync) hands back what the
 owner did not select, as Ok-Topk and gTop-k return the reduced values left
 out of the global top-k to the local residuals: an entry of the owner's
 phase-2 decode that is 0 is not delivered, so every worker counts its own
@@ -79,16 +79,73 @@ from jaxcomp.protocol import Codec, CodecExchange, Exchange
 TRANSPORTS = ("gather", "scatter")
 
 
+class ScatterCodec:
+  """Mixin of a codec whose scatter form differs from the defaults below.
+
+  A codec without it runs under ``transport="scatter"`` as a per-leaf codec:
+  vmapped over chunks, each chunk cut at leaf boundaries, no selection, the
+  owner sending with the codec itself.
+  """
+
+  selects: bool = False
+  """A selection (a sparsifier): what a chunk's owner does not select goes back to the workers
+  that sent it."""
+
+  leaf_segments: bool = True
+  """A chunk is cut at every leaf boundary (:func:`jaxcomp.layout.chunk_segments`), so a per-segment
+  scale or norm never mixes leaves; False (the sparsifiers): one segment per chunk, one budget over it
+  (per-leaf budgets within chunks lost DGC 32, RedSync 75, AdaQ 2.6 and top-k 2.3 points on the
+  suite's MNIST CNN, docs/recipes.md)."""
+
+  vmappable: bool = True
+  """``encode``/``decode`` may be vmapped over chunks; False: one chunk after another (``lax.map``)."""
+
+  @property
+  def owner_codec(self) -> Codec:
+    """What a chunk owner sends of its reduced chunk (the codec itself by default)."""
+    return self
+
+
+class ScatterForm:
+  """Mixin of an exchange (not a :class:`~jaxcomp.protocol.CodecExchange`) that has a scatter form."""
+
+  def scatter_codec(self, ctx) -> Codec:
+    """The codec ``transport="scatter"`` runs in this exchange's place (``ctx`` None: for sizes only)."""
+    raise NotImplementedError
+
+
+_PER_LEAF = ScatterCodec()
+
+
+def _traits(codec: Codec) -> ScatterCodec:
+  """The codec's scatter traits: itself with :class:`ScatterCodec`, else the per-leaf defaults."""
+  return codec if isinstance(codec, ScatterCodec) else _PER_LEAF
+
+
+def _owner(codec: Codec) -> Codec:
+  return codec.owner_codec if isinstance(codec, ScatterCodec) else codec
+
+
+def scatter_codec(exchange: Exchange, ctx) -> Codec | None:
+  """The codec ``transport="scatter"`` runs in place of ``exchange``, or None where it has no scatter
+  form (a psum-ed codec, PowerSGD's factors, SBC's schedule)."""
+  if isinstance(exchange, ScatterForm):
+    return exchange.scatter_codec(ctx)
+  if isinstance(exchange, CodecExchange) and not exchange.codec.linear:
+    return exchange.codec
+  return None
+
+
 def _batched(fn, codec, *args):
   """``fn`` over the leading axis of ``args``: vmapped, or ``lax.map`` for codecs that are not vmappable."""
-  if codec.vmappable:
+  if _traits(codec).vmappable:
     return jax.vmap(fn)(*args)
   return lax.map(lambda a: fn(*a), args)
 
 
 @dataclasses.dataclass(frozen=True)
 class ScatterExchange(Exchange):
-  """The scatter form of ``inner``: an exchange whose ``scatter_codec`` is not None.
+  """The scatter form of ``inner``: an exchange whose :func:`scatter_codec` is not None.
 
   State per bucket: the owner residual (float32, the bucket's length).
   ``bucket_wire_bytes(segs, workers)`` needs the number of workers.
@@ -101,7 +158,7 @@ class ScatterExchange(Exchange):
     return self.inner.block
 
   def codec(self, ctx) -> Codec:
-    return self.inner.scatter_codec(ctx)
+    return scatter_codec(self.inner, ctx)
 
   def init_bucket(self, segs, key):
     del key
@@ -114,7 +171,7 @@ class ScatterExchange(Exchange):
       local = codec.decode(payload, ctx.key, segs)
       return local, local, owner
     n, me, length = ctx.axis.size, ctx.axis.index, segs.length
-    cs = layout.chunk_segments(segs, n, self.block, codec.leaf_segments)
+    cs = layout.chunk_segments(segs, n, self.block, _traits(codec).leaf_segments)
     c = cs.length
     key1, key2 = jax.random.split(ctx.key)
     base = key1 if codec.shared_key else jax.random.fold_in(key1, me)
@@ -129,7 +186,7 @@ class ScatterExchange(Exchange):
     dec_key = jax.random.fold_in(key1, me)  # the encode key of chunk me where keys are shared
     mean = codec.aggregate(received, dec_key, cs, n)
     # phase 2: the owner's mean chunk, compressed again with its residual, to everyone
-    codec2 = codec.owner_codec  # a vote's ties need a third value
+    codec2 = _owner(codec)  # a vote's ties need a third value
     start = me * c
     mine = lax.dynamic_slice_in_dim(jnp.pad(owner, (0, n * c - length)), start, c)
     # entries of no leaf (segment and bucket padding) hold nothing: a codec may decode them nonzero
@@ -142,7 +199,7 @@ class ScatterExchange(Exchange):
     chunks = _batched(lambda p, k: codec2.decode(p, k, cs), codec2, gathered, keys2).astype(jnp.float32)
     out = chunks.reshape(-1)[:length]
     sent = lax.dynamic_index_in_dim(chunks, me, keepdims=False)  # what every worker applied of chunk me
-    if codec2.selects:
+    if _traits(codec2).selects:
       # A selection (a sparsifier): an entry the owner did not select goes back to the workers
       # that sent it (Ok-Topk, gTop-k): each keeps its own share in its residual and selects it
       # again; the owner keeps only what a selected entry's value lost (and its old residual).
@@ -164,13 +221,13 @@ class ScatterExchange(Exchange):
 
 def chunk_payload_bytes(ex: ScatterExchange, segs: layout.Segments, workers: int) -> tuple:
   """Bytes of one chunk's payload in phase 1 and in phase 2 (the owner's, of its reduced chunk)."""
-  codec = ex.inner.scatter_codec(None)
+  codec = scatter_codec(ex.inner, None)
   return _payload_bytes(codec, segs, workers, ex.block), \
-      _payload_bytes(codec.owner_codec, segs, workers, ex.block)
+      _payload_bytes(_owner(codec), segs, workers, ex.block)
 
 
 def _payload_bytes(codec, segs: layout.Segments, workers: int, block: int) -> int:
-  cs = layout.chunk_segments(segs, workers, block, codec.leaf_segments)
+  cs = layout.chunk_segments(segs, workers, block, _traits(codec).leaf_segments)
   x = jax.ShapeDtypeStruct((cs.length,), jnp.float32)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
   shapes = jax.eval_shape(lambda x, k: codec.encode(x, k, cs), x, key)
@@ -195,7 +252,7 @@ def scatter_form(exchange, name: str):
     return exchange
   if isinstance(exchange, CodecExchange) and exchange.codec.linear:
     return exchange  # psums stay all-reduces
-  if exchange.scatter_codec(None) is not None:
+  if scatter_codec(exchange, None) is not None:
     return ScatterExchange(exchange)
   raise ValueError(
       f"transport='scatter' is not available for {name}: its exchange ({type(exchange).__name__}) has no"

@@ -10,9 +10,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxcomp"
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 600
-CAPABILITIES = {"masks", "vmappable", "all_reduces", "scatter_codec", "owner_codec", "wants_params",
-                "selects", "carries_nonfinite", "linear", "shared_key", "block", "uses_mean", "carries",
-                "leaf_segments", "sync_every", "method", "dense_axis_name", "axis_name", "compressor"}
+# Plugin capabilities (jaxcomp.protocol's bases, jaxcomp.scatter's mixins, Method.sync_every) and the
+# attributes of a jaxcomp transformation: never probed with getattr.
+CAPABILITIES = {"linear", "shared_key", "carries_nonfinite", "block", "wants_params", "all_reduces",
+                "vmappable", "scatter_codec", "owner_codec", "selects", "leaf_segments", "sync_every",
+                "method", "dense_axis_name", "axis_name", "compressor"}
+PLUGIN_BASES = ("Memory", "Codec", "Exchange")  # in jaxcomp.protocol
 
 
 def _modules():
@@ -103,6 +106,30 @@ def test_no_capability_probes():
           isinstance(node.args[1], ast.Constant) and node.args[1].value in CAPABILITIES:
         probes.append(f"{name}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
   assert not probes, probes
+
+
+def _declared(module: str, classes) -> set:
+  """Class-level attributes (``name: type = default``) of ``classes`` in ``module``."""
+  out = set()
+  for node in MODULES[module][1].body:
+    if isinstance(node, ast.ClassDef) and node.name in classes:
+      out |= {a.target.id for a in node.body
+              if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)}
+  return out
+
+
+def test_plugin_capabilities_few_and_read_elsewhere():
+  """At most 8 capabilities on the plugin bases, each read outside jaxcomp.protocol; all of them,
+  and the scatter mixins', listed in CAPABILITIES."""
+  base = _declared("jaxcomp.protocol", PLUGIN_BASES)
+  assert len(base) <= 8, sorted(base)
+  scatter = _declared("jaxcomp.scatter", ("ScatterCodec",)) | {"owner_codec", "scatter_codec"}
+  assert base | scatter <= CAPABILITIES, (base | scatter) - CAPABILITIES
+  for cap in base:
+    readers = [name for name, (_, tree) in MODULES.items() if name != "jaxcomp.protocol" and any(
+        isinstance(n, ast.Attribute) and n.attr == cap and isinstance(n.ctx, ast.Load)
+        for n in ast.walk(tree))]
+    assert readers, f"{cap} is read nowhere outside jaxcomp.protocol"
 
 
 def test_private_names_stay_home():

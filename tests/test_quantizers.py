@@ -35,15 +35,10 @@ from hypothesis.extra import numpy as hnp
 import jaxcomp
 from jaxcomp.collectives import packing
 from jaxcomp.layout import Segments, padded
-from jaxcomp.transforms.codes import (
-  InceptionnCodec,
-  SketchCodec,
-  lsb_exponent,
-  sample_positions,
-  width_prefix,
-)
+from jaxcomp.transforms.inceptionn import InceptionnCodec, lsb_exponent, width_prefix
 from jaxcomp.transforms.quantize import NaturalCodec, QSGDCodec, TernGradCodec, U8bitCodec, dettmers_table
 from jaxcomp.transforms.sign import OneBitCodec, ScaledSignCodec, SignCodec
+from jaxcomp.transforms.sketchml import SketchCodec, sample_positions
 
 KEY = jax.random.PRNGKey(42)
 

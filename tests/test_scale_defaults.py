@@ -21,8 +21,9 @@ import pytest
 from harness import AXIS
 
 import jaxcomp
-from jaxcomp.transforms import codes, dense
+from jaxcomp.transforms import dense
 from jaxcomp.transforms import dgc as dgc_mod
+from jaxcomp.transforms import inceptionn as inc
 from jaxcomp.transforms import threshold as thr_mod
 
 W = 4  # workers
@@ -204,7 +205,7 @@ def test_inceptionn_relative_bound_keeps_small_gradients():
   for k in g:
     a, o = np.asarray(g[k], np.float64), np.asarray(out[k], np.float64)
     top = np.max(np.abs(a))
-    assert np.max(np.abs(o - a)) <= codes.RELATIVE_BOUND * top * (1 + 1e-6)
+    assert np.max(np.abs(o - a)) <= inc.RELATIVE_BOUND * top * (1 + 1e-6)
     assert np.mean(o != 0) > 0.99
   old = jaxcomp.inceptionn(error_bound=2.0 ** -10, capacity=4.0, error_feedback=False)
   out, _ = harness.local_round_trip(old, g, old.init(g))
@@ -218,9 +219,9 @@ def test_inceptionn_relative_bound_wire_bytes():
   assert jaxcomp.wire_bytes(jaxcomp.inceptionn(), params) == \
       jaxcomp.wire_bytes(jaxcomp.inceptionn(error_bound=2.0 ** -10), params) == 4096 // 4 + 4096
   (b,) = jaxcomp.inceptionn().method.buckets(params)
-  assert b.exchange.codec == codes.InceptionnCodec(codes.lsb_exponent(codes.RELATIVE_BOUND), 1.0, True)
+  assert b.exchange.codec == inc.InceptionnCodec(inc.lsb_exponent(inc.RELATIVE_BOUND), 1.0, True)
   assert b.exchange.codec.stream_bytes(1) == 6
-  assert codes.InceptionnCodec(codes.lsb_exponent(2.0 ** -4), 1.0, True).stream_bytes(1) == 5
+  assert inc.InceptionnCodec(inc.lsb_exponent(2.0 ** -4), 1.0, True).stream_bytes(1) == 5
   assert b.exchange.codec.stream_bytes(1000) == 1000
   tx = _tx("inceptionn")
   small = {"kernel": jnp.zeros((40, 24)), "bias": jnp.zeros((24,)), "s": jnp.zeros(())}

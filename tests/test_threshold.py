@@ -15,6 +15,7 @@ import pytest
 from harness import check_against, memory_trees, run_steps, small_params
 
 import jaxcomp
+from jaxcomp.kernels import thresholds
 from jaxcomp.layout import Segments
 from jaxcomp.transforms import threshold as thr_mod
 
@@ -153,7 +154,7 @@ def test_refine_threshold_matches_numpy():
   # 1.36 land in 0.7-1.3 k; 0.95 is already there; 0.5 cycles (x1.3 x0.7 = 0.91) for
   # 10 steps and the closest count seen wins.
   a = np.abs(np.random.default_rng(1).uniform(-1, 1, 4000)).astype(np.float32)
-  refine = jax.jit(lambda t: thr_mod.refine_threshold(jnp.asarray(a), t, 200, 0.7, 1.3, 1.3, 0.7, 10))
+  refine = jax.jit(lambda t: thresholds.refine_threshold(jnp.asarray(a), t, 200, 0.7, 1.3, 1.3, 0.7, 10))
   for start in (0.73, 1.36, 0.95, 0.5, 1e-3):
     got, want = float(refine(jnp.float32(start))), np_refine(a, np.float32(start), 200)
     np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=str(start))

@@ -112,7 +112,7 @@ def method_traffic(name: str, params: Any, workers: int, optimizer: str = "sgd",
   method = method_of(tx, params)
   if method.fused is not None:
     return [("all-reduce", float(wire_bytes(tx, params, workers=workers)))]
-  every = max(b.exchange.sync_every for b in method.buckets(params))
+  every = method.sync_every
   return [(k, b / every) for k, b in traffic(tx, params, workers=workers)]
 
 

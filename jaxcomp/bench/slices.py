@@ -57,7 +57,7 @@ def _traffic(s: Setting, shard) -> list:
   out = []
   for name in METHODS:
     tx = transform(name)
-    every = max(b.exchange.sync_every for b in jaxcomp.method_of(tx, shard).buckets(shard))
+    every = jaxcomp.method_of(tx, shard).sync_every
     out.append((name, jaxcomp.traffic(tx, shard, workers=s.slices), every))
   out += [(f"diloco H={h}", out[0][1], h) for h in DILOCO_H]
   return out

@@ -223,7 +223,7 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   wire = jaxcomp.collective_bytes(hlo)
   res.wire_bytes, res.collectives = wire["total"], wire["count"]
   if method is not None:  # SBC's communication delay: one sync every `delay` steps
-    res.sync_every = max([b.exchange.sync_every for b in method.buckets(params)] + [1])
+    res.sync_every = method.sync_every
   res.traffic = [list(t) for t in netsim.collectives(hlo)]
   try:
     res.nominal_bytes = int(jaxcomp.wire_bytes(comp, params, workers=WORKERS))

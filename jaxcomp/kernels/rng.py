@@ -10,7 +10,9 @@ the top 24 bits give the float. That is about ten integer operations per
 entry, which XLA fuses into the rounding kernel (about one memory copy for
 the draw and its use together on this machine,
 ``python -m jaxcomp.bench kernels``). :func:`below` draws ints in ``[0, n)``
-from the same hash (SketchML's samples, INCEPTIONN's stream rotation).
+from the same hash (SketchML's samples, INCEPTIONN's stream rotation), and
+:func:`word_ints` a few ints from one key word (DGC's sample offsets, the
+selections' start words).
 
 For a fixed key the map from index to hash is a bijection of uint32 (each
 step is invertible), so no two entries of one draw share a hash. The key
@@ -79,3 +81,17 @@ def below(key: jax.Array, n, shape) -> jax.Array:
   ``n``: an int, or an array of them broadcasting against ``shape``.
   """
   return (bits(key, shape) % jnp.asarray(n, jnp.uint32)).astype(jnp.int32)
+
+
+def word_ints(key: jax.Array, word: int, m) -> jax.Array:
+  """One int32 in ``[0, m_s)`` per entry of ``m`` (a few: one per segment), from one word of ``key``.
+
+  The word is spread by the golden-ratio multiply and the ``lowbias32`` hash of
+  :func:`bits` rather than another threefry call, whose compile time dominates
+  small kernels; the modulo bias is below ``m / 2**32``.
+  """
+  words = key if key.dtype == jnp.uint32 else jax.random.key_data(key)
+  m = np.asarray(m, np.int64).reshape(-1)
+  h = words.reshape(-1)[word] + jnp.uint32(_GOLDEN) * lax.iota(jnp.uint32, m.size)
+  return (_lowbias32(h) % jnp.asarray(m, jnp.uint32)).astype(jnp.int32)
+

@@ -60,25 +60,17 @@ from jaxcomp import layout
 from jaxcomp.builder import build
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
+from jaxcomp.kernels import rng
+from jaxcomp.kernels.sparse import select, sparse_bytes, sparse_decode, sparse_mean, sparse_payload
+from jaxcomp.kernels.thresholds import passes, refine_thresholds, sampled_thresholds, target
 from jaxcomp.layout import Segments
 from jaxcomp.memories import DGCMemory
 from jaxcomp.method import Method
 from jaxcomp.protocol import Codec, Ctx, Exchange, flat_route
 from jaxcomp.rebuild import staged
+from jaxcomp.scatter import ScatterCodec, ScatterForm
 from jaxcomp.transforms import _args
-from jaxcomp.transforms.threshold import (
-  BLOCK,
-  passes,
-  refine_thresholds,
-  sampled_thresholds,
-  segment_ints,
-  select,
-  sparse_bytes,
-  sparse_decode,
-  sparse_mean,
-  sparse_payload,
-  target,
-)
+from jaxcomp.transforms.threshold import BLOCK
 from jaxcomp.warmup import warmup_stages
 
 Schedule = Callable[[jax.Array], jax.Array]
@@ -116,7 +108,7 @@ def capacity(n: int, max_ratio: float) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class DGCExchange(Exchange):
+class DGCExchange(Exchange, ScatterForm):
   """Sampled threshold per leaf, adjusted to ``0.7-1.3 k``; one fixed-capacity payload per bucket.
 
   Works on the whole bucket: the thresholds of all its leaves (segments) are
@@ -138,7 +130,7 @@ class DGCExchange(Exchange):
 
   def encode(self, x, key, ratio, segs: Segments):
     a = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
-    thr = sampled_thresholds(a, segs, segment_ints(key, 0, segs.sizes), ratio, self.max_ratio,
+    thr = sampled_thresholds(a, segs, rng.word_ints(key, 0, segs.sizes), ratio, self.max_ratio,
                              self.sample_ratio)
     k = jnp.maximum(target(ratio, np.asarray(segs.sizes, np.float32)), 1.0)
     thr = refine_thresholds(a, thr, k, segs, low=0.7, high=1.3, up=1.3, down=0.7, iterations=10)
@@ -165,10 +157,10 @@ class DGCExchange(Exchange):
     return DGCCodec(self, self.max_ratio if ctx is None else self.ratio(ctx.count))
 
 
-class DGCCodec(Codec):
+class DGCCodec(Codec, ScatterCodec):
   """DGC's sampled-threshold selection at one step's ratio, in the codec form (the scatter exchange's)."""
 
-  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+  leaf_segments = False  # transport="scatter": one budget per chunk
 
   def __init__(self, exchange: DGCExchange, ratio):
     self.exchange, self.ratio, self.block = exchange, ratio, exchange.block

@@ -25,11 +25,12 @@ from jaxcomp import layout
 from jaxcomp.builder import build
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
+from jaxcomp.kernels.sparse import scatter_mean
 from jaxcomp.method import Method
 from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.scatter import ScatterCodec
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.dense import pow2
-from jaxcomp.transforms.sparse import scatter_mean
 
 E2M1 = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 """The eight magnitudes of an E2M1 4-bit float (code 0..7; bit 3 is the sign)."""
@@ -174,10 +175,10 @@ def two_level(v: jax.Array):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkedLowBitTopKCodec(Codec):
+class ChunkedLowBitTopKCodec(Codec, ScatterCodec):
   """The ``ceil(density * chunk)`` largest |x| of each chunk: in-chunk offsets and low-bit values."""
 
-  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+  leaf_segments = False  # transport="scatter": one budget per chunk
 
   density: float
   chunk: int

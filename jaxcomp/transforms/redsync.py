@@ -12,12 +12,13 @@ from jaxcomp.builder import build
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.kernels import compaction, selection
+from jaxcomp.kernels.sparse import scatter_mean
 from jaxcomp.layout import Segments
 from jaxcomp.memories import MomentumCorrection
 from jaxcomp.method import Method
 from jaxcomp.protocol import Codec, Ctx, Exchange, Memory, flat_route
+from jaxcomp.scatter import ScatterCodec, ScatterForm
 from jaxcomp.transforms import _args
-from jaxcomp.transforms.sparse import scatter_mean
 from jaxcomp.transforms.threshold import BLOCK
 
 SELECTIONS = ("binary_search", "trimmed")
@@ -25,7 +26,7 @@ MIN_SIZE = 256  # RedSync's default: smaller leaves travel dense
 
 
 @dataclasses.dataclass(frozen=True)
-class RedSyncExchange(Exchange):
+class RedSyncExchange(Exchange, ScatterForm):
   """Select per leaf (binary search or trimmed top-k), optionally quantize; one all-gather per bucket.
 
   Works on the whole bucket: every segment (leaf) searches its own threshold
@@ -196,10 +197,10 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
                dense_axis_name=dense_axis_name, transport=transport)
 
 
-class RedSyncCodec(Codec):
+class RedSyncCodec(Codec, ScatterCodec):
   """RedSync's selection in the codec form (the scatter exchange's): no carried thresholds."""
 
-  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+  leaf_segments = False  # transport="scatter": one budget per chunk
   selects = True  # transport="scatter": what the chunk owner does not select goes back to the workers
 
   vmappable = False  # a search per chunk, one after another

@@ -91,11 +91,11 @@ from jaxcomp.builder import build
 from jaxcomp.collectives import golomb, ops, packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.kernels import compaction, segtopk
+from jaxcomp.kernels.sparse import scatter_mean
 from jaxcomp.method import Method
 from jaxcomp.protocol import Ctx, Exchange, Memory, flat_route
 from jaxcomp.transformation import compressed_optimizer
 from jaxcomp.transforms import _args
-from jaxcomp.transforms.sparse import scatter_mean
 
 _SIGN = 0x7FFFFFFF
 
@@ -202,10 +202,6 @@ class SBCExchange(Exchange):
   capacity: float | None
   carries_nonfinite = True  # a non-finite A sends a NaN value, and every decoded mean is NaN
   block = 128  # rows for the per-segment counts; 4 mask words, so no word straddles two segments
-
-  @property
-  def sync_every(self) -> int:
-    return self.delay
 
   @property
   def wants_params(self) -> bool:
@@ -423,7 +419,7 @@ def sbc(sparsity: float = 0.01, delay: int = 1, *, axis_name: AxisName = None,
     capacity = _args.positive("capacity", capacity)
   _check_optimizer(optimizer, d)
   method = Method("sbc", flat_route(SBCExchange(p, d, capacity)), Memory(enabled=False),
-                  min_size=layout.EVERY_LEAF)
+                  sync_every=d, min_size=layout.EVERY_LEAF)
   tx = build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,
              transport=transport)
   if optimizer is None:

@@ -19,6 +19,7 @@ from jaxcomp.collectives.axis import AxisName
 from jaxcomp.layout import Segments
 from jaxcomp.method import Method
 from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route, zero_after
+from jaxcomp.scatter import ScatterCodec
 from jaxcomp.transforms import _args
 
 TIES = ("zero", "positive")
@@ -47,7 +48,7 @@ def mean_abs(x: jax.Array, segs: Segments) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class SignCodec(Codec):
+class SignCodec(Codec, ScatterCodec):
   """One bit per entry (1 for x >= 0), 8 per byte; combined by majority vote.
 
   ``scaled``: one float32 per segment too, ``mean|x|``; the local decode is
@@ -232,9 +233,9 @@ class MomentumMemory(Memory):
   def compensate(self, grads, state):
     b = self.momentum
     return jax.tree.map(lambda g, m: b * m.astype(jnp.float32) + (1.0 - b) * g.astype(jnp.float32),
-                        grads, state)
+                        grads, state), None
 
-  def update(self, x, sent, state, buckets=None):
+  def update(self, x, sent, state, step=None):
     # zero_after(sent): m is written after the encode has read the old m (no copy of it)
     return jax.tree.map(lambda x, s, m: jnp.where(jnp.isfinite(x), x, zero_after(s)).astype(m.dtype),
                         x, sent, state)

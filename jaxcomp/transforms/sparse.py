@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +30,13 @@ from jax import lax
 
 from jaxcomp import layout
 from jaxcomp.builder import build
-from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.kernels import segtopk
+from jaxcomp.kernels.sparse import scatter_mean
 from jaxcomp.layout import Segments
 from jaxcomp.method import Method
 from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.scatter import ScatterCodec
 from jaxcomp.transforms import _args
 
 CHUNK = 65536  # entries per chunk of the "chunk16" position code
@@ -46,30 +46,6 @@ POSITIONS = ("chunk16", "global")
 VALUE_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def scatter_mean(sparse: Callable[[jax.Array], tuple], gathered: packing.Gathered, n: int,
-                 num: int, per_entry: bool = False) -> jax.Array:
-  """Mean over the workers of ``gathered`` sparse payloads, accumulated into one dense vector.
-
-  ``sparse(w)`` gives worker ``w``'s ``(values, indices)``, ``(k,)`` each
-  (indices ``>= n`` are dropped), read inside the loop (from
-  :meth:`Gathered.payload <jaxcomp.collectives.packing.Gathered.payload>`:
-  no ``(N, k)`` decoded arrays). One scatter-add per worker in a fixed
-  order: no ``N x n`` array, and the same float result on every worker.
-  ``per_entry``: each entry's sum over the workers that sent it divided by
-  their number (SparseLoCo's reference mean) instead of by ``num``.
-  """
-  def body(w, carry):
-    acc, senders = carry
-    values, indices = sparse(w)
-    idx = indices.astype(jnp.int32)
-    acc = acc.at[idx].add(values.astype(jnp.float32), mode="drop")
-    if per_entry:
-      senders = senders.at[idx].add(1.0, mode="drop")
-    return acc, senders
-
-  zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), gathered.buffers)
-  total, senders = lax.fori_loop(0, gathered.workers, body, (zeros, zeros if per_entry else zeros[:0]))
-  return total / jnp.maximum(senders, 1.0) if per_entry else total / num
 
 
 # ----------------------------------------------------------------------------
@@ -114,10 +90,10 @@ def _offset_dtype(block: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class TopKCodec(Codec):
+class TopKCodec(Codec, ScatterCodec):
   """The k largest |x| of each leaf (``scope="layer"``) or of the bucket: values + positions."""
 
-  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+  leaf_segments = False  # transport="scatter": one budget per chunk
 
   ratio: float
   positions: str = "chunk16"
@@ -168,10 +144,10 @@ class TopKCodec(Codec):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkedTopKCodec(Codec):
+class ChunkedTopKCodec(Codec, ScatterCodec):
   """The ``ceil(ratio * b)`` largest |x| of each block of ``b``: values + in-block offsets."""
 
-  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+  leaf_segments = False  # transport="scatter": one budget per chunk
 
   ratio: float
   chunk: int

@@ -1,17 +1,9 @@
-"""Threshold sparsification and adaptive quantization: variable counts in fixed-capacity payloads.
+"""Threshold sparsification and adaptive quantization (GRACE's ``threshold`` and ``adaq``).
 
-XLA needs static shapes, so a selection whose size varies travels in a buffer
-of fixed ``capacity`` plus an int32 count; slots past the count are ignored by
-the receiver. What does not fit is simply not sent, and error feedback keeps it
-for a later step. Everything works on a whole bucket (:mod:`jaxcomp.layout`):
-one payload per bucket whose capacity is the sum of its leaves' capacities,
-positions are bucket positions, and per-leaf quantities (a capacity, a
-threshold, a mean) are per segment, computed for all segments at once.
-Selection never sorts the bucket: the mask is packed into 32-bit words, capped
-per segment and compacted word by word (:mod:`jaxcomp.kernels.compaction`);
-thresholds that must hit a target count are estimated from a small strided
-sample of each segment (one sort of all samples) and then adjusted by a few
-passes of counting.
+Both send a variable number of entries in a fixed-capacity sparse payload
+(:mod:`jaxcomp.kernels.sparse`): what does not fit is not sent, and error
+feedback keeps it for a later step. AdaQ's thresholds are sampled and adjusted
+per segment (:mod:`jaxcomp.kernels.thresholds`).
 """
 
 from __future__ import annotations
@@ -21,221 +13,21 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxcomp import layout
 from jaxcomp.builder import build
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.kernels import compaction
+from jaxcomp.kernels import compaction, rng
+from jaxcomp.kernels.sparse import segment_caps, select, sparse_decode, sparse_mean, sparse_payload
+from jaxcomp.kernels.thresholds import passes, refine_thresholds, sampled_thresholds, segment_rms, target
 from jaxcomp.layout import Segments
 from jaxcomp.method import Method
 from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.scatter import ScatterCodec
 from jaxcomp.transforms import _args
-from jaxcomp.transforms.sparse import scatter_mean
 
-MIN_SAMPLE = 128  # the smallest sample
-EXACT_MAX = 16384  # a leaf this small is its own sample: its threshold is exact, see sample_size
 BLOCK = 128  # segments start at multiples of it: packed mask words never straddle two leaves
-
-
-# ----------------------------------------------------------------------------
-# Fixed-capacity sparse payloads: (values, narrow bucket positions, count)
-
-
-def segment_caps(ratio: float, segs: Segments) -> np.ndarray:
-  """Slots per segment, ``max(1, ceil(ratio * n))`` (int64 (S,))."""
-  return np.asarray([_args.count(ratio, n) for n in segs.sizes], np.int64)
-
-
-def segment_ints(key: jax.Array, word: int, m) -> jax.Array:
-  """One int32 in ``[0, m_s)`` per segment, from one word of ``key`` (already a PRNG output).
-
-  The word is spread over the segments by a multiply and an integer mixer
-  (murmur3's finaliser) rather than another threefry call, whose compile
-  time dominates these small kernels. The modulo bias is below ``m / 2**32``.
-  """
-  words = key if key.dtype == jnp.uint32 else jax.random.key_data(key)
-  m = np.asarray(m, np.int64).reshape(-1)
-  h = words.reshape(-1)[word] + jnp.uint32(0x9E3779B9) * jnp.arange(m.size, dtype=jnp.uint32)
-  h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
-  h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-  h = h ^ (h >> 16)
-  return (h % jnp.asarray(m, jnp.uint32)).astype(jnp.int32)
-
-
-def select(mask: jax.Array, segs: Segments, caps, key: jax.Array, word: int = 0):
-  """Compacts a bucket ``mask`` with at most ``caps[s]`` entries per segment.
-
-  Returns ``(positions int32[sum(caps)], count int32)``, ascending bucket
-  positions (``segs.length`` in unused slots). When more than ``caps[s]``
-  entries of a segment are selected, the ones kept are the first in circular
-  order from a random 32-entry word of the segment (new each step), so no
-  region of a leaf is starved when its capacity is too small.
-  """
-  start = segment_ints(key, word, np.asarray(segs.padded_sizes, np.int64) // 32)
-  idx, count, _ = compaction.compact_segments(compaction.pack_mask(mask), segs, caps, start_words=start)
-  return idx, count
-
-
-def sparse_payload(x: jax.Array, idx: jax.Array, count: jax.Array, n: int):
-  """(values float32, positions in the narrowest dtype for n, count int32); unused slots hold 0."""
-  used = jnp.arange(idx.shape[0]) < count
-  idx = jnp.where(used, idx, 0)
-  return jnp.where(used, x[idx], 0.0), idx.astype(_args.index_dtype(n)), count.astype(jnp.int32)
-
-
-def valid_indices(idx: jax.Array, count: jax.Array, n: int) -> jax.Array:
-  """int32 indices with the slots past ``count`` set to ``n`` (dropped by scatters)."""
-  slot = jnp.arange(idx.shape[-1], dtype=jnp.int32)
-  return jnp.where(slot < jnp.expand_dims(count, -1), idx.astype(jnp.int32), n)
-
-
-def sparse_decode(values: jax.Array, idx: jax.Array, count: jax.Array, n: int) -> jax.Array:
-  """Dense ``(n,)`` vector of a fixed-capacity sparse payload."""
-  return jnp.zeros((n,), jnp.float32).at[valid_indices(idx, count, n)].set(values, mode="drop")
-
-
-def sparse_mean(gathered: packing.Gathered, n: int, num: int, sparse=lambda p: p) -> jax.Array:
-  """Mean of gathered fixed-capacity sparse payloads (``sparse(payload)`` gives
-  ``(values, idx, count)``), scatter-added into one vector one worker at a time."""
-  def values_indices(w):
-    values, idx, count = sparse(gathered.payload(w))
-    return values, valid_indices(idx, count, n)
-
-  return scatter_mean(values_indices, gathered, n, num)
-
-
-def sparse_bytes(n: int, capacity: int) -> int:
-  """Bytes of one payload: float32 values, narrow indices, an int32 count."""
-  return capacity * (4 + np.dtype(_args.index_dtype(n)).itemsize) + 4
-
-
-# ----------------------------------------------------------------------------
-# Thresholds for a target count: sampled, then adjusted, every segment at once
-
-
-def sample_size(n: int, sample_ratio: float) -> int:
-  """``max(ceil(sample_ratio * n), 128)`` entries, or all ``n`` for a leaf of at most 16384.
-
-  Small leaves are their own sample: a bucket's thresholds are adjusted together, one counting
-  pass over the whole bucket per step until every leaf is within its band, and the few-entry
-  samples of small leaves (1% of 16384 is 164 entries, about 2 above the threshold at ratio 0.01)
-  miss the band most often. Their exact thresholds cost little (the samples are searched
-  together, not sorted) and need no adjustment.
-  """
-  if n <= EXACT_MAX:
-    return n
-  return min(n, max(_args.count(sample_ratio, n), MIN_SAMPLE))
-
-
-def target(ratio, m) -> jax.Array:
-  """``ceil(ratio * m)`` in float32 (a target count; rounding noise is harmless)."""
-  return jnp.ceil(jnp.asarray(ratio, jnp.float32) * jnp.asarray(m, jnp.float32) - 1e-3)
-
-
-def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, max_ratio: float,
-                       sample_ratio: float, among_nonzero: bool = False) -> jax.Array:
-  """Per segment, the magnitude above which about ``ratio`` of ``a`` (>= 0) lies, from a sample.
-
-  The sample of a segment of n entries is ``s = max(ceil(sample_ratio * n),
-  128)`` entries (all of it up to 16384 entries, see :func:`sample_size`),
-  one every ``n // s`` from ``offsets[s] % (n // s)``; the threshold is its ``ceil(ratio * s)``-th
-  largest entry (of its nonzero entries with ``among_nonzero``), at most the
-  ``ceil(max_ratio * s)``-th. ``ratio`` may be traced. When the sample holds
-  no nonzero entry, the threshold is the segment's ``max(a)``. The k-th
-  largest of every sample is found exactly and at once by a bisection on
-  the float bit pattern (31 counting passes over the samples, no sort).
-  Returns float32 (S,).
-  """
-  sizes = np.asarray(segs.sizes, np.int64)
-  s = np.asarray([sample_size(n, sample_ratio) for n in segs.sizes], np.int64)
-  stride = sizes // s
-  # Each sample padded to rows of 128 (padding reads -1: never counted), laid out by numpy
-  # (literals, nothing for XLA to fold); only the shift of each segment is traced.
-  rows = -(-s // MIN_SAMPLE)
-  seg_np = np.repeat(np.arange(segs.count, dtype=np.int32), rows * MIN_SAMPLE)
-  j = np.arange(seg_np.size) - np.repeat(np.cumsum(rows) - rows, rows * MIN_SAMPLE) * MIN_SAMPLE
-  used = j < s[seg_np]
-  base = (np.asarray(segs.offsets, np.int64)[seg_np] + stride[seg_np] * np.minimum(j, s[seg_np] - 1))
-  shift = offsets.astype(jnp.int32) % jnp.asarray(stride, jnp.int32)
-  pos = jnp.asarray(base.astype(np.int32)) + (shift[jnp.asarray(seg_np)] if segs.count > 1 else shift[0])
-  sample = jnp.where(jnp.asarray(used), a[pos], -1.0)
-  bits = lax.bitcast_convert_type(sample, jnp.int32).reshape(-1, MIN_SAMPLE)
-  row_seg = np.repeat(np.arange(segs.count, dtype=np.int32), rows)
-
-  def count(t):  # per segment, sample entries with bits >= t (t >= 0)
-    t_row = t[jnp.asarray(row_seg)] if segs.count > 1 else jnp.broadcast_to(t[0], row_seg.shape)
-    return compaction.run_sums(jnp.sum(bits >= t_row[:, None], axis=1, dtype=jnp.int32), rows)
-
-  ks_max = np.asarray([_args.count(max_ratio, m) for m in s], np.int32)
-  pool = count(jnp.ones((segs.count,), jnp.int32)) if among_nonzero else jnp.asarray(s, jnp.int32)
-  ks = jnp.clip(target(ratio, pool).astype(jnp.int32), 1, jnp.asarray(ks_max))
-
-  def halve(_, lohi):
-    lo, hi = lohi
-    mid = lo + (hi - lo) // 2
-    enough = count(mid) >= ks
-    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
-
-  # count(lo) >= ks > count(hi) throughout (a sample has at least ks entries >= 0, none above the
-  # segment's maximum): lo ends as the ks-th largest entry's bits. The bounds come from the data,
-  # so that the loop's carry is per worker (shard_map's varying type) from the start.
-  top = segs.max(a)
-  hi = lax.bitcast_convert_type(top, jnp.int32) + 1
-  lo, _ = lax.fori_loop(0, 31, halve, (hi * 0, hi))
-  thr = lax.bitcast_convert_type(lo, jnp.float32)
-  return jnp.where(thr > 0, thr, top)
-
-
-def passes(a: jax.Array, thr) -> jax.Array:
-  """What a threshold selects: ``a >= thr`` and ``a > 0`` (an exact zero is never sent)."""
-  return (a >= thr) & (a > 0)
-
-
-def refine_thresholds(a: jax.Array, thr: jax.Array, k, segs: Segments, low: float, high: float,
-                      up: float, down: float, iterations: int) -> jax.Array:
-  """Per segment, scales ``thr`` by ``up`` while more than ``high * k`` entries pass, by ``down``
-  while fewer than ``low * k`` pass, at most ``iterations`` times (DGC: 0.7, 1.3, x1.3, x0.7, 10).
-
-  The steps are coarse (``up * down`` close to 1 can cycle around the band),
-  so when the loop ends outside the band a segment gets the threshold tried
-  whose count was closest to k, not the last one. All segments iterate
-  together, one counting pass over the bucket per step; a segment inside its
-  band keeps its threshold, so each follows exactly the steps it would alone.
-  """
-  k = jnp.broadcast_to(jnp.asarray(k, jnp.float32), (segs.count,))
-
-  def count(t):
-    return compaction.segment_count(passes(a, segs.spread(t)), segs).astype(jnp.float32)
-
-  def outside(m):
-    return (m > high * k) | (m < low * k)
-
-  def cond(c):
-    i, _, m, _, _ = c
-    return (i < iterations) & jnp.any(outside(m))
-
-  def body(c):
-    i, t, m, best, gap = c
-    moving = outside(m)
-    t = jnp.where(moving, jnp.where(m > high * k, t * up, t * down), t)
-    m = count(t)
-    closer = moving & (jnp.abs(m - k) < gap)
-    return i + 1, t, m, jnp.where(closer, t, best), jnp.where(closer, jnp.abs(m - k), gap)
-
-  m0 = count(thr)
-  c = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), thr, m0, thr, jnp.abs(m0 - k)))
-  _, t, m, best, _ = c
-  return jnp.where(outside(m), best, t)
-
-
-def refine_threshold(a: jax.Array, thr: jax.Array, k, low: float, high: float, up: float,
-                     down: float, iterations: int) -> jax.Array:
-  """:func:`refine_thresholds` of one vector ``a`` (a scalar threshold)."""
-  n = a.shape[0]
-  segs = Segments((0,), (n,), ((n,),))
-  return refine_thresholds(a, jnp.reshape(thr, (1,)), k, segs, low, high, up, down, iterations)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -245,20 +37,10 @@ def refine_threshold(a: jax.Array, thr: jax.Array, k, low: float, high: float, u
 V_RMS = 2.0  # the default threshold in units of each leaf's RMS: 4.55% of a Gaussian leaf
 
 
-def segment_rms(x: jax.Array, segs: Segments) -> jax.Array:
-  """Per segment, the root mean square of the finite entries of ``x`` over its ``n`` entries (float32 (S,)).
-
-  From float32 squares: exact under power-of-two scaling of ``x`` (bit for
-  bit) while the squares stay normal floats, i.e. for entries between about
-  1e-19 and 1e19 in magnitude. Non-finite entries count as 0 (the builder
-  turns such a step's output into NaN anyway).
-  """
-  sq = jnp.where(jnp.isfinite(x), x * x, 0.0)
-  return jnp.sqrt(segs.sum(sq) / jnp.asarray(segs.sizes, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
-class ThresholdCodec(Codec):
+class ThresholdCodec(Codec, ScatterCodec):
   """Entries with ``|x| > v`` (``relative``: ``|x| >= min(v * rms, max |x|)`` in the entry's leaf,
   nonzero): float32 values + narrow bucket positions in fixed slots + a count.
 
@@ -266,7 +48,7 @@ class ThresholdCodec(Codec):
   the bucket's payload holds the sum of them.
   """
 
-  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+  leaf_segments = False  # transport="scatter": one budget per chunk
 
   v: float
   capacity: float
@@ -388,7 +170,7 @@ _ADAQ_REFINE = {"low": 0.8, "high": 1.25, "up": 1.25, "down": 0.9, "iterations":
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaQCodec(Codec):
+class AdaQCodec(Codec, ScatterCodec):
   """Top ``ratio`` of the positives and of the negatives of each leaf, sent as positions and two means.
 
   Per bucket: the two means of every segment (float32 (S, 2)) and the
@@ -398,7 +180,7 @@ class AdaQCodec(Codec):
   whichever is smaller for the bucket.
   """
 
-  leaf_segments = False  # transport="scatter": one budget per chunk (jaxcomp.protocol.Codec)
+  leaf_segments = False  # transport="scatter": one budget per chunk
 
   ratio: float
   sample_ratio: float
@@ -420,7 +202,7 @@ class AdaQCodec(Codec):
   def _masks(self, x, key, segs):
     out = []
     for word, a in enumerate((jnp.where(x > 0, x, 0.0), jnp.where(x < 0, -x, 0.0))):
-      offsets = segment_ints(key, word, segs.sizes)
+      offsets = rng.word_ints(key, word, segs.sizes)
       thr = sampled_thresholds(a, segs, offsets, self.ratio, self.ratio, self.sample_ratio,
                                among_nonzero=True)
       k = target(self.ratio, compaction.segment_count(a > 0, segs))

@@ -1,0 +1,101 @@
+"""Fixed-capacity sparse payloads: ``(values, narrow bucket positions, count)``.
+
+XLA needs static shapes, so a selection whose size varies travels in a buffer
+of fixed capacity plus an int32 count; slots past the count are ignored by
+the receiver. Positions are bucket positions; capacities are per segment.
+A selection never sorts the bucket: the mask is packed into 32-bit words,
+capped per segment and compacted word by word (:mod:`jaxcomp.kernels.compaction`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcomp.collectives import ops, packing
+from jaxcomp.kernels import compaction, rng
+from jaxcomp.layout import Segments
+from jaxcomp.transforms import _args
+
+
+def segment_caps(ratio: float, segs: Segments) -> np.ndarray:
+  """Slots per segment, ``max(1, ceil(ratio * n))`` (int64 (S,))."""
+  return np.asarray([_args.count(ratio, n) for n in segs.sizes], np.int64)
+
+
+def select(mask: jax.Array, segs: Segments, caps, key: jax.Array, word: int = 0):
+  """Compacts a bucket ``mask`` with at most ``caps[s]`` entries per segment.
+
+  Returns ``(positions int32[sum(caps)], count int32)``, ascending bucket
+  positions (``segs.length`` in unused slots). When more than ``caps[s]``
+  entries of a segment are selected, the ones kept are the first in circular
+  order from a random 32-entry word of the segment (new each step), so no
+  region of a leaf is starved when its capacity is too small.
+  """
+  start = rng.word_ints(key, word, np.asarray(segs.padded_sizes, np.int64) // 32)
+  idx, count, _ = compaction.compact_segments(compaction.pack_mask(mask), segs, caps, start_words=start)
+  return idx, count
+
+
+def sparse_payload(x: jax.Array, idx: jax.Array, count: jax.Array, n: int):
+  """(values float32, positions in the narrowest dtype for n, count int32); unused slots hold 0."""
+  used = jnp.arange(idx.shape[0]) < count
+  idx = jnp.where(used, idx, 0)
+  return jnp.where(used, x[idx], 0.0), idx.astype(_args.index_dtype(n)), count.astype(jnp.int32)
+
+
+def valid_indices(idx: jax.Array, count: jax.Array, n: int) -> jax.Array:
+  """int32 indices with the slots past ``count`` set to ``n`` (dropped by scatters)."""
+  slot = jnp.arange(idx.shape[-1], dtype=jnp.int32)
+  return jnp.where(slot < jnp.expand_dims(count, -1), idx.astype(jnp.int32), n)
+
+
+def sparse_decode(values: jax.Array, idx: jax.Array, count: jax.Array, n: int) -> jax.Array:
+  """Dense ``(n,)`` vector of a fixed-capacity sparse payload."""
+  return jnp.zeros((n,), jnp.float32).at[valid_indices(idx, count, n)].set(values, mode="drop")
+
+
+def scatter_mean(sparse: Callable[[jax.Array], tuple], gathered: packing.Gathered, n: int,
+                 num: int, per_entry: bool = False) -> jax.Array:
+  """Mean over the workers of ``gathered`` sparse payloads, accumulated into one dense vector.
+
+  ``sparse(w)`` gives worker ``w``'s ``(values, indices)``, ``(k,)`` each
+  (indices ``>= n`` are dropped), read inside the loop (from
+  :meth:`Gathered.payload <jaxcomp.collectives.packing.Gathered.payload>`:
+  no ``(N, k)`` decoded arrays). One scatter-add per worker in a fixed
+  order: no ``N x n`` array, and the same float result on every worker.
+  ``per_entry``: each entry's sum over the workers that sent it divided by
+  their number (SparseLoCo's reference mean) instead of by ``num``.
+  """
+  def body(w, carry):
+    acc, senders = carry
+    values, indices = sparse(w)
+    idx = indices.astype(jnp.int32)
+    acc = acc.at[idx].add(values.astype(jnp.float32), mode="drop")
+    if per_entry:
+      senders = senders.at[idx].add(1.0, mode="drop")
+    return acc, senders
+
+  zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), gathered.buffers)
+  total, senders = lax.fori_loop(0, gathered.workers, body, (zeros, zeros if per_entry else zeros[:0]))
+  return total / jnp.maximum(senders, 1.0) if per_entry else total / num
+
+
+def sparse_mean(gathered: packing.Gathered, n: int, num: int, sparse=lambda p: p) -> jax.Array:
+  """Mean of gathered fixed-capacity sparse payloads (``sparse(payload)`` gives
+  ``(values, idx, count)``), scatter-added into one vector one worker at a time."""
+  def values_indices(w):
+    values, idx, count = sparse(gathered.payload(w))
+    return values, valid_indices(idx, count, n)
+
+  return scatter_mean(values_indices, gathered, n, num)
+
+
+def sparse_bytes(n: int, capacity: int) -> int:
+  """Bytes of one payload: float32 values, narrow indices, an int32 count."""
+  return capacity * (4 + np.dtype(_args.index_dtype(n)).itemsize) + 4
+
