@@ -172,12 +172,12 @@ def time_copy(tensors, reps: int) -> float:
 
 
 def gradients(model: str) -> list:
-  """The kernel benchmark's gradients of ``model`` (``jaxcomp.bench.shapes.random``) in PyTorch's layout.
+  """The kernel benchmark's gradients of ``model`` (``jaxcomp_bench.shapes.random``) in PyTorch's layout.
 
   Flax's kernels are (kh, kw, in, out) and (in, out); PyTorch's (out, in, kh, kw) and (out, in),
   the layout GRACE's PowerSGD reads as an (out, rest) matrix. The other codecs flatten.
   """
-  from jaxcomp.bench import shapes
+  from jaxcomp_bench import shapes
 
   def torch_layout(a):
     return np.ascontiguousarray(a.transpose(3, 2, 0, 1) if a.ndim == 4 else a.T if a.ndim == 2 else a)
@@ -266,7 +266,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   codecs = grace_codecs()
   arrays = gradients(args.model)
-  from jaxcomp.bench import malloc
+  from jaxcomp_bench import malloc
 
   malloc.grow_heap(malloc.GROW * 4 * sum(a.size for a in arrays))
   tensors = [torch.from_numpy(a) for a in arrays]

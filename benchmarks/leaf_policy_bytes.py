@@ -1,6 +1,6 @@
 """Bytes per worker per step of each sparsifier at its defaults against every leaf compressed.
 
-ResNet-50's 161 gradient shapes (jaxcomp.bench.shapes), jaxcomp.wire_bytes (nominal == measured
+ResNet-50's 161 gradient shapes (jaxcomp_bench.shapes), jaxcomp.wire_bytes (nominal == measured
 from the compiled HLO, tests/test_properties.py). Usage: ``python benchmarks/leaf_policy_bytes.py``.
 """
 
@@ -9,7 +9,7 @@ import os
 os.environ.setdefault("PJRT_NPROC", "16")
 
 import jaxcomp  # noqa: E402
-from jaxcomp.bench import shapes  # noqa: E402
+from jaxcomp_bench import shapes  # noqa: E402
 
 SPARSE = ("topk", "randomk", "threshold", "dgc", "adaq", "redsync", "sbc")
 

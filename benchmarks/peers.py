@@ -1,7 +1,7 @@
 """jaxcomp's update against GRACE's compressors in eager PyTorch, on the same gradients, in one run.
 
 For each of the speed issue's eleven methods, on ResNet-50's (or BERT-base's) gradient shapes
-(the kernel benchmark's gradients, ``jaxcomp.bench.shapes.random``):
+(the kernel benchmark's gradients, ``jaxcomp_bench.shapes.random``):
 
 - ``grace ms``: GRACE's compress + decompress of every gradient tensor, one tensor at a time,
   in eager PyTorch (``benchmarks/grace_torch.py``, run first in a process of its own with
@@ -14,7 +14,7 @@ For each of the speed issue's eleven methods, on ResNet-50's (or BERT-base's) gr
 jaxcomp's update does more than GRACE's pair where the method keeps state per entry (top-k,
 DGC, EF-signSGD, 1-bit SGD and PowerSGD a residual, DGC and Signum a momentum; GRACE's memory
 is a separate object, not timed), so the comparison favours GRACE. Both processes run under the
-same allocator: the benchmarks' caching malloc (``jaxcomp.bench.malloc``) unless
+same allocator: the benchmarks' caching malloc (``jaxcomp_bench.malloc``) unless
 ``GLIBC_TUNABLES`` is set, each with the heap grown before timing.
 
 Usage: ``python benchmarks/peers.py [--model resnet50|bert-base] [--reps 5] [--methods fp16,topk]``.
@@ -53,13 +53,13 @@ def main(argv=None) -> None:
     import torch  # noqa: F401 - checked here, used by grace_torch.py
   except ImportError:
     raise SystemExit("benchmarks/peers.py needs PyTorch: pip install torch") from None
-  from jaxcomp.bench import malloc
+  from jaxcomp_bench import malloc
 
   malloc.restart_under_caching(sys.argv)  # this script again, under the benchmarks' caching malloc
   import jax
 
   import jaxcomp
-  from jaxcomp.bench import common, kernels, shapes
+  from jaxcomp_bench import common, kernels, shapes
 
   methods = [m.strip() for m in args.methods.split(",") if m.strip()]
   unknown = [m for m in methods if m not in METHODS.split(",")]

@@ -1,9 +1,9 @@
 """What cutting the scatter exchange's chunks at leaf boundaries costs in bytes.
 
 ``transport="scatter"`` cuts every chunk wherever any chunk holds a leaf's boundary
-(``jaxcomp.layout.chunk_segments``), so a codec with a per-segment scale or norm sends one per
+(``jaxcomp.core.layout.chunk_segments``), so a codec with a per-segment scale or norm sends one per
 leaf piece of each chunk instead of one per chunk. Prints, for ResNet-50's 161 and BERT-base's
-199 gradient shapes (jaxcomp.bench.shapes), each scale codec's bytes per worker per step
+199 gradient shapes (jaxcomp_bench.shapes), each scale codec's bytes per worker per step
 (``jaxcomp.wire_bytes``) cut at leaves over one segment per chunk, at N = 8, 64, 1024.
 ``--time NAME ...``: instead, the compile time and step time of each named method's pmap update
 on ResNet-50's gradients (1e-5 scale) with 8 CPU workers, one segment per chunk and cut at
@@ -17,8 +17,8 @@ import time
 os.environ.setdefault("PJRT_NPROC", "16")
 
 import jaxcomp  # noqa: E402
-from jaxcomp import layout  # noqa: E402
-from jaxcomp.bench import shapes  # noqa: E402
+from jaxcomp.core import layout  # noqa: E402
+from jaxcomp_bench import shapes  # noqa: E402
 
 CODECS = ("onebit", "efsignsgd", "signsgd", "qsgd", "terngrad", "natural", "u8bit", "fp4")
 

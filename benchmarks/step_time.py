@@ -4,7 +4,7 @@ The transformer language model of ``python -m jaxcomp.bench lm`` (pydoc_data's
 English prose), one jitted step = loss and gradient, the method's update with
 ``axis_name=None`` (bucket, compensate, encode, decode, residual), AdamW and
 the parameter update, parameters and states donated. Every method at the
-kernel benchmark's settings (``jaxcomp.bench.kernels.rows``). Prints the
+kernel benchmark's settings (``jaxcomp_bench.kernels.rows``). Prints the
 median step in ms over ``--reps`` runs after ``--warmup`` untimed ones, its ratio to the dense
 step (``none``) and the compile seconds. Runs on whatever backend JAX picks (a
 GPU where there is one).
@@ -23,8 +23,8 @@ import numpy as np
 import optax
 
 import jaxcomp
-from jaxcomp.bench import kernels
-from jaxcomp.bench import transformer as tf
+from jaxcomp_bench import kernels
+from jaxcomp_bench import transformer as tf
 
 
 def step_fn(model, tx):

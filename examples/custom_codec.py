@@ -5,8 +5,8 @@ import dataclasses
 import jax.numpy as jnp
 
 import jaxcomp
-from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
   from flax.training import train_state
   from tqdm.auto import tqdm
 
-  from jaxcomp.bench import data, model
+  from jaxcomp_bench import data, model
 
   ds = data.load(args.dataset)
   net = model.CNN()

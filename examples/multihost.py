@@ -4,9 +4,9 @@ One command starts the whole job::
 
     python examples/multihost.py --launch --method topk --steps 100
 
-``--launch`` starts 2 copies of this script through ``jaxcomp.launch.launch``
+``--launch`` starts 2 copies of this script through ``jaxcomp.training.launch.launch``
 (a free port on 127.0.0.1, each copy told its process id, every copy killed
-on timeout); each copy calls ``jaxcomp.launch.initialize()`` (4 CPU devices,
+on timeout); each copy calls ``jaxcomp.training.launch.initialize()`` (4 CPU devices,
 gloo collectives, ``jax.distributed.initialize``) and runs the same
 ``jax.pmap`` step as ``train_pmap.py`` over all 8 devices of the job: its own
 4 workers take their rows of every global batch, and the compressed
@@ -32,12 +32,12 @@ PROCESSES, LOCAL_DEVICES = 2, 4
 def launcher(argv) -> int:
   import signal
 
-  import jaxcomp.launch
+  import jaxcomp.training.launch
 
   # On SIGTERM, unwind through launch(), which kills every process it started.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   rest = [a for a in argv if a != "--launch"]
-  results = jaxcomp.launch.launch([os.path.abspath(__file__), *rest], num_processes=PROCESSES,
+  results = jaxcomp.training.launch.launch([os.path.abspath(__file__), *rest], num_processes=PROCESSES,
                                   local_devices=LOCAL_DEVICES, timeout_s=600, stop_after_failure_s=30)
   sums = []
   for r in results:
@@ -59,10 +59,10 @@ def main(argv=None) -> dict:
   args, options = _common.parse(_common.parser(__doc__.splitlines()[0], steps=100), argv)
 
   import jaxcomp
-  import jaxcomp.launch
+  import jaxcomp.training.launch
 
-  if os.environ.get(jaxcomp.launch.ENV_COORD):
-    jaxcomp.launch.initialize()  # this process's CPU devices + jax.distributed, before JAX work
+  if os.environ.get(jaxcomp.training.launch.ENV_COORD):
+    jaxcomp.training.launch.initialize()  # this process's CPU devices + jax.distributed, before JAX work
   else:
     jaxcomp.cpu_devices(PROCESSES * LOCAL_DEVICES)
 
@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
   import optax
   from tqdm.auto import tqdm
 
-  from jaxcomp.bench import data, model
+  from jaxcomp_bench import data, model
 
   workers, local = jax.device_count(), jax.local_device_count()
   first = jax.process_index() * local  # this process's workers: [first, first + local)

@@ -2,7 +2,7 @@
 
 A small decoder-only transformer in Flax NNX (2 blocks, width 64, 4 heads,
 context 64) learns the character text of Python's own documentation
-(``pydoc_data.topics``, :mod:`jaxcomp.bench.transformer`'s data) on a mesh of
+(``pydoc_data.topics``, :mod:`jaxcomp_bench.transformer`'s data) on a mesh of
 8 CPU devices, (dcn=2, fsdp=2, tensor=2):
 
 - its kernels are annotated with ``nnx.with_partitioning`` over "fsdp" and
@@ -187,7 +187,7 @@ def main(argv=None) -> dict:
   from flax import nnx
   from jax.sharding import AxisType
 
-  from jaxcomp.bench import transformer as data
+  from jaxcomp_bench import transformer as data
 
   corpus = data.load()
   vocab = -(-corpus.vocab_size // 8) * 8  # padded: the embedding and logits divide over fsdp and tensor

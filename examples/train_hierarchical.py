@@ -7,7 +7,7 @@ A (2, 4) mesh of CPU devices, axes ("dcn", "ici"): the method compresses over
     python examples/train_hierarchical.py --method topk --steps 200
 
 ``--launch`` runs it as 2 processes x 4 devices (the process boundary is the
-slow axis) through ``jaxcomp.launch``; both print the same checksum as the
+slow axis) through ``jaxcomp.training.launch``; both print the same checksum as the
 1-process run::
 
     python examples/train_hierarchical.py --launch --method topk --steps 100
@@ -24,10 +24,10 @@ NODES, PER_NODE = 2, 4
 
 
 def launcher(argv) -> int:
-  import jaxcomp.launch
+  import jaxcomp.training.launch
 
   rest = [a for a in argv if a != "--launch"]
-  results = jaxcomp.launch.launch([os.path.abspath(__file__), *rest], num_processes=NODES,
+  results = jaxcomp.training.launch.launch([os.path.abspath(__file__), *rest], num_processes=NODES,
                                   local_devices=PER_NODE, timeout_s=600, stop_after_failure_s=30)
   sums = []
   for r in results:
@@ -45,10 +45,10 @@ def main(argv=None) -> dict:
   args, options = _common.parse(_common.parser(__doc__.splitlines()[0], steps=200), argv)
 
   import jaxcomp
-  import jaxcomp.launch
+  import jaxcomp.training.launch
 
-  if os.environ.get(jaxcomp.launch.ENV_COORD):
-    jaxcomp.launch.initialize()
+  if os.environ.get(jaxcomp.training.launch.ENV_COORD):
+    jaxcomp.training.launch.initialize()
   else:
     jaxcomp.cpu_devices(NODES * PER_NODE)
 
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
   import numpy as np
   import optax
 
-  from jaxcomp.bench import data, model
+  from jaxcomp_bench import data, model
 
   mesh = jax.make_mesh((NODES, PER_NODE), ("dcn", "ici"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   ds = data.load(args.dataset)

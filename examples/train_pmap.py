@@ -35,7 +35,7 @@ def main(argv=None) -> dict:
   import optax
   from tqdm.auto import tqdm
 
-  from jaxcomp.bench import data, model
+  from jaxcomp_bench import data, model
 
   ds = data.load(args.dataset)
   net = model.CNN()

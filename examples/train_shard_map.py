@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
   from jax.sharding import PartitionSpec as P
   from tqdm.auto import tqdm
 
-  from jaxcomp.bench import data, model
+  from jaxcomp_bench import data, model
 
   ds = data.load(args.dataset)
   net = model.CNN()

@@ -6,13 +6,14 @@ from jaxcomp.transforms.dgc import dgc
 from jaxcomp.transforms.fp4 import fp4
 from jaxcomp.transforms.inceptionn import inceptionn
 from jaxcomp.transforms.lowrank import powersgd
-from jaxcomp.transforms.quantize import natural, qsgd, terngrad, u8bit
+from jaxcomp.transforms.quantize import natural, qsgd, terngrad
 from jaxcomp.transforms.redsync import redsync
 from jaxcomp.transforms.sbc import sbc
 from jaxcomp.transforms.sign import efsignsgd, onebit, signsgd, signum
 from jaxcomp.transforms.sketchml import sketchml
 from jaxcomp.transforms.sparse import randomk, topk
 from jaxcomp.transforms.threshold import adaq, threshold
+from jaxcomp.transforms.u8bit import u8bit
 
 METHODS = {
     # dense baselines

@@ -23,10 +23,10 @@ settings.load_profile("ci")
 # default policy (leaves under 1024 entries travel dense) most of them would
 # not be compressed at all. Factories read this default when they are called;
 # tests/test_layout.py checks the default policy itself.
-import jaxcomp.layout  # noqa: E402
+import jaxcomp.core.layout  # noqa: E402
 
-DEFAULT_MIN_SIZE = jaxcomp.layout.MIN_SIZE
-jaxcomp.layout.MIN_SIZE = 1
+DEFAULT_MIN_SIZE = jaxcomp.core.policy.MIN_SIZE
+jaxcomp.core.policy.MIN_SIZE = 1
 
 
 import gc  # noqa: E402

@@ -20,7 +20,7 @@ from harness import (
 )
 
 import jaxcomp
-from jaxcomp.protocol import groups
+from jaxcomp.core.groups import groups
 from jaxcomp.transforms.acpsgd import phases
 from jaxcomp.transforms.lowrank import PowerSGDExchange
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxcomp
-from jaxcomp.bench import advise as adv
+from jaxcomp_bench import advise as adv
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 TREE = {"w1": jax.ShapeDtypeStruct((512, 256), jnp.float32), "b1": jax.ShapeDtypeStruct((256,), jnp.float32),
@@ -81,7 +81,7 @@ def test_two_levels_price_the_slow_links_between_nodes():
 
 
 def test_llama_sizes():
-  from jaxcomp.bench import shapes
+  from jaxcomp_bench import shapes
 
   assert abs(shapes.llama_params("8b") - 8.03e9) < 0.01e9 and abs(shapes.llama_params("70b") - 70.6e9) < 0.1e9
   tree, compute, _ = adv.model_tree("llama-1b")

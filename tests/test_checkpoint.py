@@ -2,7 +2,7 @@
 
 For every method in ``jaxcomp.METHODS`` through its ``jaxcomp.recipe`` (under pmap, 8 workers) and one under
 shard_map: train a tiny model ``FIRST_STEPS`` steps, save (params, optimizer
-state) with :mod:`jaxcomp.checkpoint`, restore it in a new Python process,
+state) with :mod:`jaxcomp.training.checkpoint`, restore it in a new Python process,
 train ``RESUMED_STEPS`` more steps there; the parameters equal, bit for bit,
 those of the uninterrupted run in this process. One subprocess serves all
 methods.
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp import checkpoint
+from jaxcomp.training import checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 import ckpt_resume as cr

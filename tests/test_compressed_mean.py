@@ -21,7 +21,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp.compat import use_mesh
+from jaxcomp.core.compat import use_mesh
 
 R, F, H = 4, 2, 4  # replicas over "diloco", devices per replica over "fsdp", inner steps per sync
 SPECS = {"w": P("fsdp", None), "b": P()}

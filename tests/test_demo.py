@@ -21,7 +21,7 @@ from harness import (
 
 import jaxcomp
 from jaxcomp.collectives import packing
-from jaxcomp.layout import Segments
+from jaxcomp.core.layout import Segments
 from jaxcomp.optimizers.demo import DCTTopKCodec, dct_matrix, demo
 
 LR, DECAY, WD = 0.05, 0.9, 0.1

@@ -148,7 +148,7 @@ def test_dgc_dense_leaves_keep_their_momentum():
   """
   params = {"w": jnp.zeros((40, 24), jnp.float32), "b": jnp.zeros((24,), jnp.float32)}
   tx = jaxcomp.dgc(ratio=0.01, momentum=0.9, warmup_steps=0, clip_norm=None, min_size=100)
-  assert sorted(b.exchange is jaxcomp.protocol.DENSE for b in tx.method.buckets(params)) == [False, True]
+  assert sorted(b.exchange is jaxcomp.core.protocol.DENSE for b in tx.method.buckets(params)) == [False, True]
   state = tx.init(params)
   got = []
   for t in range(3):

@@ -1,4 +1,4 @@
-"""DiLoCo, Streaming DiLoCo and SparseLoCo (jaxcomp/diloco.py); low-bit codecs (jaxcomp/transforms/fp4.py)."""
+"""DiLoCo, Streaming DiLoCo and SparseLoCo (jaxcomp/training/diloco.py); low-bit codecs (fp4.py)."""
 
 import pathlib
 import re
@@ -20,7 +20,7 @@ from harness import (
 )
 
 import jaxcomp
-from jaxcomp.diloco import fragment_leaves, leaf_costs, sync_table
+from jaxcomp.training.diloco import fragment_leaves, leaf_costs, sync_table
 from jaxcomp.transforms.fp4 import E2M1, chunked_topk, fp4_exponent
 
 

@@ -17,8 +17,8 @@ import pytest
 from harness import AXIS, N, pmap_scan, worker_grads
 
 import jaxcomp
-from jaxcomp import hlo_deps
-from jaxcomp.diloco import fragment_leaves, leaf_costs, sync_table
+from jaxcomp.collectives import hlo_deps
+from jaxcomp.training.diloco import fragment_leaves, leaf_costs, sync_table
 
 H = 4
 

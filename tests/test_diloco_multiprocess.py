@@ -1,7 +1,7 @@
 """DiLoCo across processes: 2 processes x 4 CPU devices with jax.distributed == 1 process x 8 devices.
 
-One ``jaxcomp.launch.launch`` job runs this file as a script in 2 processes; each trains a small model
-with DiLoCo (top-k pseudo-gradients, Nesterov outer step) and with Streaming DiLoCo (P = 2, fp4) under
+One ``jaxcomp.training.launch.launch`` job runs this file as a script in 2 processes; each trains a small
+model with DiLoCo (top-k pseudo-gradients, Nesterov outer step) and with Streaming DiLoCo (P = 2, fp4) under
 ``jax.pmap`` over the job's 8 devices, H = 3, for 7 steps (two syncs of each fragment, then a local
 step), and saves its replicas; the test process runs the same on its 8 devices and compares bit for
 bit (the syncs all-gather the payloads, combined in worker order on every worker alike).
@@ -60,9 +60,9 @@ def _train(config: str, targets_local, local: int):
 
 
 def _worker(out_dir: str) -> None:
-  import jaxcomp.launch
+  import jaxcomp.training.launch
 
-  jaxcomp.launch.initialize()
+  jaxcomp.training.launch.initialize()
   assert jax.device_count() == WORKERS, jax.devices()
   pid, local = jax.process_index(), jax.local_device_count()
   _, targets = _problem()
@@ -74,10 +74,10 @@ def _worker(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-  import jaxcomp.launch
+  import jaxcomp.training.launch
 
   out = tmp_path_factory.mktemp("diloco_multiprocess")
-  results = jaxcomp.launch.launch([os.path.abspath(__file__), str(out)], num_processes=PROCESSES,
+  results = jaxcomp.training.launch.launch([os.path.abspath(__file__), str(out)], num_processes=PROCESSES,
                                   local_devices=WORKERS // PROCESSES, timeout_s=600, stop_after_failure_s=20)
   for r in results:
     assert r.returncode == 0, (f"process {r.process_id}: returncode {r.returncode}\n{r.stdout[-2000:]}\n"

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from jaxcomp.bench import diloco_suite
+from jaxcomp_bench import diloco_suite
 
 
 def test_cli_end_to_end(tmp_path):

@@ -1,6 +1,6 @@
 """Faults across processes: when one process of a jax.distributed job dies, the others leave.
 
-Real 2-process jobs on 127.0.0.1 (``jaxcomp.launch.launch``, 1 CPU device per
+Real 2-process jobs on 127.0.0.1 (``jaxcomp.training.launch.launch``, 1 CPU device per
 process) train with top-k under shard_map (tests/scripts/fault_worker.py);
 at step 5 one process fails. Three faults run at once (separate jobs):
 
@@ -10,7 +10,7 @@ at step 5 one process fails. Three faults run at once (separate jobs):
 - the coordinator (process 0) calls ``os._exit(3)``: process 1's collective
   fails or its client loses the service, and it exits;
 - process 1 hangs, alive (heartbeats go on): process 0's
-  ``jaxcomp.launch.Watchdog(15)`` ends it with exit code 75.
+  ``jaxcomp.training.launch.Watchdog(15)`` ends it with exit code 75.
 
 Each survivor exits on its own, with a clear message, within 60 s of the
 fault; every process of every job is gone afterwards.
@@ -22,7 +22,7 @@ import re
 
 import pytest
 
-from jaxcomp import launch
+from jaxcomp.training import launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "fault_worker.py")
 FAULT_STEP = 5
@@ -35,7 +35,7 @@ SCENARIOS = {  # name: (fault, victim, watchdog timeout (s))
 CLEAR_ERRORS = (
     "Terminating process because the JAX distributed service detected fatal errors",
     "training failed at step",
-    "jaxcomp.launch.Watchdog: no progress",
+    "jaxcomp.training.launch.Watchdog: no progress",
 )
 
 
@@ -84,7 +84,7 @@ def test_survivor_exits_with_a_clear_error_within_the_bound(jobs, name):
   if fault == "hang":
     assert survivor.returncode == 75 and "the last to finish was step" in survivor.stderr, logs
   else:
-    assert "jaxcomp.launch.Watchdog" not in survivor.stderr, logs  # the heartbeat came first
+    assert "jaxcomp.training.launch.Watchdog" not in survivor.stderr, logs  # the heartbeat came first
   pids = [int(f.split(".")[0]) for f in os.listdir(pid_dir)]
   assert len(pids) == 2, logs
   assert not any(_alive(p) for p in pids), "a process of the job is still running"

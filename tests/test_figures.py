@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
-from jaxcomp.bench.common import colours, frontier, label_points  # noqa: E402
+from jaxcomp_bench.common import colours, frontier, label_points  # noqa: E402
 
 
 def test_labels_cover_every_point_and_never_overlap():

@@ -40,7 +40,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxcomp
-from jaxcomp.protocol import Memory
+from jaxcomp.core.protocol import Memory
 
 NAMES = sorted(jaxcomp.METHODS)
 

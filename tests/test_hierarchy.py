@@ -13,7 +13,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import hierarchy, layout
+from jaxcomp.core import layout
+from jaxcomp.exchanges import hierarchy
 
 SLOW, FAST = "dcn", "ici"
 AXES = (SLOW, FAST)

@@ -153,7 +153,6 @@ def test_a_collective_inside_a_loop_counts_each_trip():
   import jax
   from jax import lax
 
-  from jaxcomp.bench import netsim
 
   step = jax.pmap(lambda x: lax.map(lambda r: lax.psum(r, "i"), x), axis_name="i", devices=jax.devices()[:8])
   text = step.lower(jnp.ones((8, 5, 100), jnp.float32)).compile().as_text()
@@ -161,6 +160,6 @@ def test_a_collective_inside_a_loop_counts_each_trip():
   assert (c.kind, c.repeat, c.once_bytes, c.sent_bytes) == ("all-reduce", 5, 400, 2000)
   wire = jaxcomp.collective_bytes(text)
   assert (wire["total"], wire["count"]) == (2000, 5)
-  assert netsim.collectives(text) == [("all-reduce", 400)] * 5
+  assert hlo.runs(text) == [("all-reduce", 400)] * 5
   # a line alone (no module around it) counts once
   assert hlo.collectives(c.line)[0].repeat == 1

@@ -1,4 +1,4 @@
-"""jaxcomp.hlo_deps: which collectives of a compiled program read which entry parameters."""
+"""jaxcomp.collectives.hlo_deps: which collectives of a compiled program read which entry parameters."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from harness import AXIS, mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp import hlo_deps
+from jaxcomp.collectives import hlo_deps
 
 
 def _reads(body, n_args=2):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxcomp.bench import malloc
+from jaxcomp_bench import malloc
 
 
 def _run(*args):

@@ -1,4 +1,4 @@
-"""The bucket layout and leaf policy every method shares (jaxcomp.layout, jaxcomp.build)."""
+"""The bucket layout and leaf policy every method shares (jaxcomp.core.layout, jaxcomp.build)."""
 
 import conftest
 import jax
@@ -8,7 +8,7 @@ import pytest
 from harness import AXIS, N, init_stacked, pmap_wire_bytes, run_pmap, worker_grads
 
 import jaxcomp
-from jaxcomp.protocol import DENSE
+from jaxcomp.core.protocol import DENSE
 
 
 def _tree():
@@ -31,8 +31,8 @@ SPARSE = ("topk", "randomk", "threshold", "dgc", "adaq", "redsync", "sbc")
 @pytest.mark.parametrize("name", SPARSE)
 def test_sparsifiers_at_defaults_send_about_what_every_leaf_compressed_sends(name, monkeypatch):
   """ResNet-50's 107 BN and bias vectors sent dense would dominate a 0.1-1% payload."""
-  from jaxcomp.bench import shapes
-  monkeypatch.setattr(jaxcomp.layout, "MIN_SIZE", conftest.DEFAULT_MIN_SIZE)  # the library's default
+  from jaxcomp_bench import shapes
+  monkeypatch.setattr(jaxcomp.core.policy, "MIN_SIZE", conftest.DEFAULT_MIN_SIZE)  # the library's default
   tree = shapes.abstract(shapes.resnet50_shapes())
   factory = jaxcomp.METHODS[name]
   default = jaxcomp.wire_bytes(factory(axis_name=AXIS), tree)
@@ -41,7 +41,7 @@ def test_sparsifiers_at_defaults_send_about_what_every_leaf_compressed_sends(nam
 
 
 def test_a_tree_mostly_sent_dense_warns_once_at_init(monkeypatch):
-  monkeypatch.setattr(jaxcomp.layout, "MIN_SIZE", conftest.DEFAULT_MIN_SIZE)
+  monkeypatch.setattr(jaxcomp.core.policy, "MIN_SIZE", conftest.DEFAULT_MIN_SIZE)
   small = {"w": jnp.zeros((20, 30)), "b": jnp.zeros((30,))}  # every leaf under 1024 entries
   tx = jaxcomp.qsgd(axis_name=AXIS)
   with pytest.warns(UserWarning, match=r"min_size=1024 .* travel dense .*min_size=0"):
@@ -150,7 +150,7 @@ def test_memory_tree_reads_the_residual_as_the_gradients():
 @pytest.mark.parametrize("sizes", [(300,), (1000, 7, 260, 128)])
 def test_segment_sum_max_equals_the_separate_reductions(sizes):
   """Segments.sum_max (one variadic pass) gives each segment's sum and its maximum as Segments.max does."""
-  from jaxcomp.layout import Segments, padded
+  from jaxcomp.core.layout import Segments, padded
 
   offsets = np.concatenate([[0], np.cumsum([padded(n, 128) for n in sizes])[:-1]])
   segs = Segments(tuple(int(o) for o in offsets), sizes, tuple((n,) for n in sizes), 128)
@@ -169,7 +169,7 @@ def test_segment_sum_max_equals_the_separate_reductions(sizes):
 def test_segment_max_abs_keeps_a_nan_among_equal_values(bad):
   """Segments.max_abs is max |x| per segment, NaN/Inf where the segment holds one (XLA:CPU's float max
   once lost a NaN among 4096 equal values)."""
-  from jaxcomp.layout import Segments
+  from jaxcomp.core.layout import Segments
 
   sizes = (4096, 300, 128)
   segs = Segments((0, 4096, 4096 + 384), sizes, tuple((n,) for n in sizes), 128)

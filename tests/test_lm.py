@@ -1,4 +1,4 @@
-"""The transformer language-model task (jaxcomp.bench.lm): data, model, training under pmap, the CLI.
+"""The transformer language-model task (jaxcomp_bench.lm): data, model, training under pmap, the CLI.
 
 Few steps and few compiled programs: the whole module runs in about a minute on 2 busy cores.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp.bench import lm
+from jaxcomp_bench import lm
 
 N = 8
 

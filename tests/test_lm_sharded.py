@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp.bench import lm_sharded
-from jaxcomp.bench.transformer import Transformer, init_params, load
+from jaxcomp_bench import lm_sharded
+from jaxcomp_bench.transformer import Transformer, init_params, load
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Long runs: thousands of steps of a representative subset of methods (slow).
 
-``jaxcomp.bench.longrun.run`` trains a 528-parameter model for 2000 steps in
+``jaxcomp_bench.longrun.run`` trains a 528-parameter model for 2000 steps in
 one jitted ``lax.scan`` under ``jax.pmap`` over 8 workers, with the step
 counter starting 1000 below the int32 maximum, and checks: updates and losses
 finite at every step, the residual norm bounded (last quarter within 2x of the
@@ -12,7 +12,7 @@ the replicas' parameters bit-identical at the end. All methods, 5000 steps:
 
 import pytest
 
-from jaxcomp.bench import longrun
+from jaxcomp_bench import longrun
 
 STEPS = 2000
 

@@ -106,7 +106,7 @@ def test_a_non_finite_step_leaves_the_memory_as_it_was(memory):
   for a, b in zip(jax.tree.leaves(new.memory), jax.tree.leaves(state.memory)):
     assert np.all(np.isfinite(np.asarray(a)))
   # nothing was sent: the estimates stay (the velocity may advance)
-  if isinstance(memory, jaxcomp.memories.EF21):
+  if isinstance(memory, jaxcomp.core.memories.EF21):
     for field in ("estimate", "shared"):
       for a, b in zip(jax.tree.leaves(getattr(new.memory, field)),
                       jax.tree.leaves(getattr(state.memory, field))):

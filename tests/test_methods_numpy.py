@@ -18,7 +18,7 @@ from harness import (
 )
 
 import jaxcomp
-from jaxcomp.layout import Segments
+from jaxcomp.core.layout import Segments
 from jaxcomp.transforms import sparse
 from jaxcomp.transforms.lowrank import PowerSGDExchange
 

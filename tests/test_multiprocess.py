@@ -1,6 +1,6 @@
 """Across processes: 2 processes x 2 CPU devices with jax.distributed == 1 process x 4 devices.
 
-One ``jaxcomp.launch.launch`` job (a free port on 127.0.0.1, a timeout, every
+One ``jaxcomp.training.launch.launch`` job (a free port on 127.0.0.1, a timeout, every
 process killed at the end) runs this file as a script in 2 processes; each
 trains a small model for a few steps with topk, powersgd and signsgd (each
 before ``sgd``) and with the complete optimizers onebit_adam, zero_one_adam
@@ -79,9 +79,9 @@ def _train(method: str, targets_local, local: int):
 
 
 def _worker(out_dir: str) -> None:
-  import jaxcomp.launch
+  import jaxcomp.training.launch
 
-  jaxcomp.launch.initialize()
+  jaxcomp.training.launch.initialize()
   assert jax.device_count() == WORKERS, jax.devices()
   pid, local = jax.process_index(), jax.local_device_count()
   _, targets = _problem()
@@ -95,10 +95,10 @@ def _worker(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-  import jaxcomp.launch
+  import jaxcomp.training.launch
 
   out = tmp_path_factory.mktemp("multiprocess")
-  results = jaxcomp.launch.launch([os.path.abspath(__file__), str(out)], num_processes=PROCESSES,
+  results = jaxcomp.training.launch.launch([os.path.abspath(__file__), str(out)], num_processes=PROCESSES,
                                   local_devices=WORKERS // PROCESSES, timeout_s=TIMEOUT_S,
                                   stop_after_failure_s=20)
   for r in results:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from jaxcomp.bench import netcheck, netsim
+from jaxcomp.planning import netsim
+from jaxcomp_bench import netcheck
 
 
 def test_fit_recovers_alpha_and_bandwidth_of_the_ring_model():

@@ -8,7 +8,7 @@ import pytest
 from harness import AXIS, init_stacked, params_tree, worker_grads
 
 import jaxcomp
-from jaxcomp.bench import netsim
+from jaxcomp.planning import netsim
 
 MB = 1e6
 B10 = 1.25e9  # 10 Gb/s in bytes/s
@@ -140,7 +140,7 @@ def test_collectives_read_from_compiled_programs():
     tx = jaxcomp.METHODS[name](axis_name=AXIS)
     step = jax.pmap(lambda g, s, tx=tx: tx.update(g, s), axis_name=AXIS)
     hlo = step.lower(worker_grads(params), init_stacked(tx, params)).compile().as_text()
-    colls = netsim.collectives(hlo)
+    colls = hlo.runs(hlo)
     # beyond the 4-byte non-finite flag that gathered methods all-reduce
     assert {k for k, b in colls if b > 4} == {kind}
     assert sum(b for _, b in colls) == jaxcomp.collective_bytes(hlo)["total"]
@@ -194,7 +194,7 @@ def test_hierarchical_time_by_hand():
 
 
 def test_twolevel_bench_traffic_matches_the_bytes_by_axis():
-  from jaxcomp.bench import twolevel
+  from jaxcomp_bench import twolevel
 
   params = {"w": jnp.zeros((512, 256)), "b": jnp.zeros((256,))}
   for name in ("topk", "qsgd", "powersgd", "none"):

@@ -17,8 +17,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import sharded
 from jaxcomp.collectives import hlo
+from jaxcomp.training import sharded
 
 D, H, ROWS = 128, 512, 64
 SPECS = {"w1": P("fsdp", "tensor"), "b1": P("tensor"), "w2": P("tensor", "fsdp"), "b2": P()}

@@ -127,6 +127,6 @@ def test_topk_trains_and_keeps_the_annotated_shardings(mesh):
   model, specs, losses = _own(mesh, jaxcomp.topk(ratio=0.05, axis_name="dcn"), 12)
   assert losses[-1] < losses[0] - 0.5, losses
   params = nnx.state(model, nnx.Param)
-  for x, spec in zip(jax.tree.leaves(params), jax.tree.leaves(jaxcomp.checks.unbox(specs),
+  for x, spec in zip(jax.tree.leaves(params), jax.tree.leaves(jaxcomp.core.checks.unbox(specs),
                                                                  is_leaf=lambda s: isinstance(s, P))):
     assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (x.sharding, spec)

@@ -24,7 +24,7 @@ from harness import (
 )
 
 import jaxcomp
-from jaxcomp.protocol import Memory
+from jaxcomp.core.protocol import Memory
 
 METHODS = sorted(jaxcomp.METHODS)
 

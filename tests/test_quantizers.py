@@ -34,11 +34,12 @@ from hypothesis.extra import numpy as hnp
 
 import jaxcomp
 from jaxcomp.collectives import packing
-from jaxcomp.layout import Segments, padded
+from jaxcomp.core.layout import Segments, padded
 from jaxcomp.transforms.inceptionn import InceptionnCodec, lsb_exponent, width_prefix
-from jaxcomp.transforms.quantize import NaturalCodec, QSGDCodec, TernGradCodec, U8bitCodec, dettmers_table
+from jaxcomp.transforms.quantize import NaturalCodec, QSGDCodec, TernGradCodec
 from jaxcomp.transforms.sign import OneBitCodec, ScaledSignCodec, SignCodec
 from jaxcomp.transforms.sketchml import SketchCodec, sample_positions
+from jaxcomp.transforms.u8bit import U8bitCodec, dettmers_table
 
 KEY = jax.random.PRNGKey(42)
 
@@ -754,7 +755,7 @@ def test_factories_take_the_bucket_policy(name):
   # "c" small and "b" dense travel dense, in two buckets ("b" alone fills more than one); "a" compressed.
   buckets = tx.method.buckets(params)
   assert sorted(b.leaves for b in buckets) == [(0,), (1,), (2,)]
-  assert [b.exchange is jaxcomp.protocol.DENSE for b in buckets] == [True, True, False]
+  assert [b.exchange is jaxcomp.core.protocol.DENSE for b in buckets] == [True, True, False]
   out, _ = jax.jit(tx.update)(params, tx.init(params))
   assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, params)
 

@@ -57,7 +57,7 @@ def test_recipes_cover_every_method_and_say_why():
   chain = jaxcomp.recipe("topk", 0.1, axis_name=AXIS)
   assert isinstance(chain, optax.GradientTransformation)
   tx = jaxcomp.recipe_method("topk", axis_name=AXIS)
-  assert isinstance(tx.method.memory, jaxcomp.memories.MomentumCorrection)
+  assert isinstance(tx.method.memory, jaxcomp.core.memories.MomentumCorrection)
   with pytest.raises(ValueError, match="optimizer"):
     jaxcomp.recipe("topk", 0.1, optimizer="adam")
   assert set(jaxcomp.METHODS) <= set(jaxcomp.recipes.ADAMW_RECIPES)

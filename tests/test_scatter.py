@@ -27,9 +27,10 @@ from harness import (
 )
 
 import jaxcomp
-from jaxcomp import checkpoint, layout
-from jaxcomp.protocol import Memory
-from jaxcomp.scatter import ScatterCodec, ScatterExchange
+from jaxcomp.core import layout
+from jaxcomp.core.protocol import Memory
+from jaxcomp.exchanges.scatter import ScatterCodec, ScatterExchange
+from jaxcomp.training import checkpoint
 
 NO_SCATTER = ("powersgd", "acpsgd", "sbc")  # all-reduced factors; SBC's sync schedule and Golomb stream
 PSUMMED = ("none", "fp16", "bf16", "randomk")  # already one all-reduce: unchanged

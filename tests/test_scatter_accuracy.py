@@ -5,7 +5,7 @@ owner the mean chunk). Issue 22: top-k through its recipe lost 4 to 14
 points against the gather on this task (the owner kept the (N-1)/N of the
 mean it could not select in its own residual, delayed behind the workers'
 momentum). A selection now hands what the owner did not select back to the
-workers that sent it (jaxcomp/scatter.py).
+workers that sent it (jaxcomp/exchanges/scatter.py).
 """
 
 import harness
@@ -29,7 +29,7 @@ def _accuracy(tx, digits):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["topk", "onebit", "threshold", "dgc"])
 def test_scatter_lands_within_1_point_of_gather(name, digits, monkeypatch):
-  monkeypatch.setattr(jaxcomp.layout, "MIN_SIZE", 1024)  # the library's leaf policy (conftest: every leaf)
+  monkeypatch.setattr(jaxcomp.core.policy, "MIN_SIZE", 1024)  # the library's policy (conftest: every leaf)
   gather = _accuracy(jaxcomp.recipe(name, LR, axis_name=AXIS), digits)
   scatter = _accuracy(jaxcomp.recipe(name, LR, axis_name=AXIS, transport="scatter"), digits)
   print(f"{name}: gather {100 * gather:.1f}%, scatter {100 * scatter:.1f}%")

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxcomp.core.layout import ROW, Segments
 from jaxcomp.kernels import compaction, segtopk
-from jaxcomp.layout import ROW, Segments
 
 
 def _segments(sizes):
@@ -90,12 +90,12 @@ def test_segmented_topk_matches_argsort():
 @pytest.mark.parametrize("sampled", [True, False])
 def test_sbc_sides_match_numpy_on_both_paths(monkeypatch, sampled):
   """SBC's per-side k-th largest: the sampled path (XLA:CPU) and the bit-by-bit one (accelerators)."""
-  from jaxcomp.transforms import sbc as sbc_module
+  from jaxcomp.kernels import binarize
 
   monkeypatch.setattr(segtopk, "sampled", lambda segs: sampled)
   x = np.asarray(_case("ties", np.random.default_rng(5)))
   bits = jax.lax.bitcast_convert_type(jnp.asarray(x), jnp.int32)
-  tp, tn = jax.jit(lambda b: sbc_module._thresholds(b, SEGS, K))(bits)
+  tp, tn = jax.jit(lambda b: binarize.sided_thresholds(b, SEGS, K))(bits)
   for s, (o, n, k) in enumerate(zip(SEGS.offsets, SEGS.padded_sizes, K)):
     seg = x[o:o + n]
     pos, neg = np.sort(seg[seg > 0])[::-1], np.sort(-seg[seg < 0])[::-1]

@@ -1,6 +1,6 @@
 """data_parallel(param_specs=...) and the user-owned step across processes: 2 x 4 CPU devices == 1 x 8.
 
-One ``jaxcomp.launch.launch`` job runs this file as a script in 2 processes
+One ``jaxcomp.training.launch.launch`` job runs this file as a script in 2 processes
 (``jax.distributed``, gloo); the mesh is (dcn=2, fsdp=4) with each process's 4
 devices one dcn slice, so the compressed axis "dcn" crosses the processes and
 the parameters are sharded over "fsdp" inside each. Each process feeds its own
@@ -8,7 +8,7 @@ rows of every batch, trains ``STEPS`` steps of a small MLP with
 ``chain(topk(0.1, axis_name="dcn"), sgd)`` (and ``jaxcomp.none``), gathers the
 parameters to the host and saves them with the losses. The test process runs
 the same training on 8 of its devices and compares. With topk the processes
-also save a checkpoint (:mod:`jaxcomp.checkpoint`, each process its shards)
+also save a checkpoint (:mod:`jaxcomp.training.checkpoint`, each process its shards)
 midway, restore it into a fresh ``data_parallel``'s init output and redo the
 last steps: bit for bit the uninterrupted run. Last, the user-owned step
 (``jaxcomp.per_slice`` + ``jaxcomp.on_shards``) on a (dcn=2, fsdp=2, tensor=2)
@@ -29,7 +29,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import checkpoint
+from jaxcomp.training import checkpoint
 
 PROCESSES, LOCAL = 2, 4
 STEPS = 10
@@ -142,9 +142,9 @@ def _own_train(mesh: Mesh, part: int, parts: int):
 
 
 def _worker(out_dir: str) -> None:
-  import jaxcomp.launch
+  import jaxcomp.training.launch
 
-  jaxcomp.launch.initialize()
+  jaxcomp.training.launch.initialize()
   assert jax.device_count() == PROCESSES * LOCAL, jax.devices()
   pid = jax.process_index()
   mesh = _mesh(jax.devices())
@@ -165,10 +165,10 @@ def _worker(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-  import jaxcomp.launch
+  import jaxcomp.training.launch
 
   out = tmp_path_factory.mktemp("sharded_multiprocess")
-  results = jaxcomp.launch.launch([os.path.abspath(__file__), str(out)], num_processes=PROCESSES,
+  results = jaxcomp.training.launch.launch([os.path.abspath(__file__), str(out)], num_processes=PROCESSES,
                                   local_devices=LOCAL, timeout_s=TIMEOUT_S, stop_after_failure_s=20)
   for r in results:
     assert r.returncode == 0, (

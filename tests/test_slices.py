@@ -5,7 +5,8 @@ import math
 import jax
 import numpy as np
 
-from jaxcomp.bench import netsim, slices
+from jaxcomp.planning import netsim
+from jaxcomp_bench import slices
 
 
 def test_dense_bytes_are_the_shards_and_compression_never_slows_the_model():

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 
 import jaxcomp
-from jaxcomp import recipes
-from jaxcomp.bench import suite
-from jaxcomp.bench.tasks import TASKS
+from jaxcomp.training import recipes
+from jaxcomp_bench import suite
+from jaxcomp_bench.tasks import TASKS
 
 
 def test_total_steps_scales_every_warmup_to_the_same_fraction_of_the_run():

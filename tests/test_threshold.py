@@ -15,8 +15,8 @@ import pytest
 from harness import check_against, memory_trees, run_steps, small_params
 
 import jaxcomp
+from jaxcomp.core.layout import Segments
 from jaxcomp.kernels import thresholds
-from jaxcomp.layout import Segments
 from jaxcomp.transforms import threshold as thr_mod
 
 N, AXIS = harness.N, harness.AXIS

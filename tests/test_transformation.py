@@ -1,4 +1,4 @@
-"""jaxcomp.transformation: the built transformation carries its settings; method_of finds it in wrappers."""
+"""jaxcomp.core.compression: the built transformation carries its settings; method_of finds it in wrappers."""
 
 import copy
 

@@ -24,8 +24,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxcomp
-from jaxcomp import method as method_module
 from jaxcomp.collectives import packing
+from jaxcomp.core import method as method_module
 from jaxcomp.transforms import sparse
 
 # ----------------------------------------------------------------------------- packing

@@ -167,6 +167,12 @@ def collectives(text: str) -> List[Collective]:
   return out
 
 
+def runs(text: str) -> List[Tuple[str, int]]:
+  """One ``(kind, bytes per worker)`` entry per run of a collective instruction of an HLO module
+  (one per trip of a loop around it): the traffic :mod:`jaxcomp.planning.netsim` prices."""
+  return [(c.kind, int(c.once_bytes)) for c in collectives(text) for _ in range(c.repeat)]
+
+
 def array_bytes(shape: str) -> List[float]:
   """The bytes of each array in an HLO shape (``f32[8,4]{1,0}`` or a tuple of them)."""
   out = []

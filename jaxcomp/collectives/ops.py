@@ -20,7 +20,7 @@ from jax import lax
 
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import Axis
-from jaxcomp.compat import gather_invariant as _gather_invariant
+from jaxcomp.core.compat import gather_invariant as _gather_invariant
 
 _PLAIN_GATHER = contextvars.ContextVar("jaxcomp_plain_gather", default=False)
 

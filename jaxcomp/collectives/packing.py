@@ -61,9 +61,9 @@ def pack_checked(fields: jnp.ndarray, bits: int, x: jnp.ndarray) -> tuple[jnp.nd
   ``x`` is the float vector the fields were computed from (its length that of
   ``fields``, 1-D). The flag comes from the packing's own reduction: one
   variadic reduce over each word's fields and their ``isfinite``, so the check
-  costs no pass of its own (measured on ResNet-50's signSGD update:
-  20-22 ms against 42-44 ms with a separate reduction over the bucket; a
-  codec's payload carries it, see :attr:`jaxcomp.protocol.Codec.carries_nonfinite`).
+  costs no pass of its own (a separate reduction over the bucket doubled
+  signSGD's update, docs/benchmarks.md "Design measurements"; a codec's
+  payload carries it, see :attr:`jaxcomp.core.protocol.Codec.carries_nonfinite`).
   """
   shifted = _in_words(jnp.asarray(fields).astype(jnp.uint8), bits)
   finite = _in_words(jnp.isfinite(x), bits, fill=True, shift=False)

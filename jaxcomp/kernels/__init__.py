@@ -2,7 +2,7 @@
 
 Nothing here knows about methods, memories or collectives; every function
 works on arrays (a bucket's flat float32 vector and its static
-:class:`jaxcomp.layout.Segments`) and compiles to a few fused XLA kernels:
+:class:`jaxcomp.core.layout.Segments`) and compiles to a few fused XLA kernels:
 
 - :mod:`jaxcomp.kernels.compaction`: masks packed into 32-bit words, prefix
   sums, per-segment counts and caps, and the compaction of a mask into

@@ -8,7 +8,7 @@ sum over the word counts (:func:`prefix_sum`), one small scatter and a
 select-the-q-th-bit per output slot: nothing of size ``n`` is sorted,
 scattered or written besides the words.
 
-Per segment of a bucket (:class:`jaxcomp.layout.Segments`, segments aligned
+Per segment of a bucket (:class:`jaxcomp.core.layout.Segments`, segments aligned
 to 32 entries so that no word straddles two): :func:`segment_count` and
 :func:`segment_word_sum` count, :func:`cap_segments` keeps at most a given
 number of set bits per segment (the first in index order, or circularly from
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.layout import Segments
+from jaxcomp.core.layout import Segments
 
 WORD = 32  # entries per packed mask word
 INF_BITS = 0x7F800000  # the bit pattern of +inf: larger magnitude patterns are NaN

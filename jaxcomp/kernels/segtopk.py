@@ -1,6 +1,6 @@
 """Exact top-k of every segment of a bucket at once: one vectorised bisection, one compaction.
 
-For a bucket with static segments (:class:`jaxcomp.layout.Segments`) and a
+For a bucket with static segments (:class:`jaxcomp.core.layout.Segments`) and a
 static ``k`` per segment, :func:`segmented_topk` returns the positions of the
 ``k_s`` entries of largest ``|x|`` of each segment ``s`` (ties to the lower
 index, as ``lax.top_k`` and a stable argsort), ascending, ``sum(k_s)`` in all.
@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp import layout
+from jaxcomp.core import layout
+from jaxcomp.core.layout import Segments
 from jaxcomp.kernels import compaction
-from jaxcomp.layout import Segments
 
 SAMPLE_STRIDE = 32  # a sampled segment: one entry of every SAMPLE_STRIDE (a stratified sample)
 SAMPLE_ALL = 8192  # a segment of at most this many entries is its own sample
@@ -161,12 +161,12 @@ def _bisect_missed(bits: jax.Array, segs: Segments, k, missed, found) -> jax.Arr
 def sampled(segs: Segments) -> bool:
   """Whether :func:`kth_largest_bits` brackets from a sample (else it bisects over the bucket).
 
-  On XLA:CPU, where a pass over a bucket costs about a copy of it: the
-  sampled bracket (a few passes) ran a ResNet-50 top-k update 2-2.5x faster
-  than the bisection (31 passes). On an accelerator a pass runs at memory
-  speed and the bracket's small kernels cost more than the passes they save
-  (H200, ResNet-50: top-k update 6.2 ms bisecting, 9.0 ms sampled), so there
-  it bisects. Small buckets (at most :data:`SAMPLE_ALL` entries) bisect too.
+  On XLA:CPU a pass over a bucket costs about a copy of it, so the sampled
+  bracket (a few passes) beats the bisection (31 passes). On an accelerator
+  a pass runs at memory speed and the bracket's small kernels cost more than
+  the passes they save, so there it bisects (both measured in
+  docs/benchmarks.md "Design measurements"). Small buckets (at most
+  :data:`SAMPLE_ALL` entries) bisect too.
   """
   return jax.default_backend() == "cpu" and segs.block % compaction.WORD == 0 and segs.length > SAMPLE_ALL
 

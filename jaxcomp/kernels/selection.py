@@ -32,7 +32,7 @@ them). Ties are resolved towards lower indices, as ``lax.top_k`` and a stable
 References:
   Fang, Fu, Yang & Hsieh, *RedSync: Reducing Synchronization Traffic for
   Distributed Deep Learning*, arXiv:1808.04357 (trimmed top-k and threshold
-  binary search selection; details recalled, not taken from its code).
+  binary search selection; written from the paper's description, not from its code).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp.core.layout import Segments
 from jaxcomp.kernels.compaction import (
   INF_BITS,
   WORD,
@@ -57,7 +58,6 @@ from jaxcomp.kernels.compaction import (
   segment_word_sum,
   segment_words,
 )
-from jaxcomp.layout import Segments
 
 _VALUE_STEPS = 40  # then bisect the float bit pattern: collapse within 31 more steps
 _MIN_NORMAL_BITS = 0x00800000

@@ -17,8 +17,8 @@ import numpy as np
 from jax import lax
 
 from jaxcomp.collectives import ops, packing
+from jaxcomp.core.layout import Segments
 from jaxcomp.kernels import compaction, rng
-from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args
 
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp.core.layout import Segments
 from jaxcomp.kernels import compaction, segtopk
-from jaxcomp.layout import Segments
 from jaxcomp.transforms import _args
 
 MIN_SAMPLE = 128  # the smallest sample

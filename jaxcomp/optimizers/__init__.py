@@ -10,7 +10,7 @@
 - :mod:`jaxcomp.optimizers.common`: what the Adams share (their settings' checks, the
   codec that moves their payload).
 
-Each returns a :class:`jaxcomp.transformation.CompressedOptimizer`: an optax
+Each returns a :class:`jaxcomp.core.compression.CompressedOptimizer`: an optax
 transformation with ``.compressor``, the jaxcomp transformation inside (for
 :func:`jaxcomp.wire_bytes`). The codecs they use live in :mod:`jaxcomp.transforms`.
 """

@@ -12,7 +12,7 @@ Each worker keeps its momentum local and never averages it with the others':
 5. ``p <- p - lr * (sign(mean fast components) + weight_decay * p)``.
 
 In jaxcomp's terms the momentum is the error-feedback memory with
-``beta = decay`` (:class:`jaxcomp.protocol.Memory` computes ``x = decay * e + g``
+``beta = decay`` (:class:`jaxcomp.core.protocol.Memory` computes ``x = decay * e + g``
 and keeps ``e <- x - sent``), and steps 2-4 are one codec,
 :class:`DCTTopKCodec`, moved by the generic builder (:func:`jaxcomp.build`);
 :func:`demo` chains the sign, the decoupled weight decay and the learning
@@ -74,14 +74,14 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp.builder import build
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.layout import Segments
-from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
-from jaxcomp.scatter import TRANSPORTS
-from jaxcomp.transformation import CompressedOptimizer, compressed_optimizer
+from jaxcomp.core.builder import build
+from jaxcomp.core.compression import CompressedOptimizer, compressed_optimizer
+from jaxcomp.core.layout import Segments
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.exchanges.scatter import TRANSPORTS
 from jaxcomp.transforms import _args
 
 VALUE_DTYPES = ("float32", "bfloat16", "float16")
@@ -221,10 +221,10 @@ def demo(learning_rate: float | optax.Schedule, compression_decay: float = 0.999
     transport: ``"gather"`` (all-gather the sparse coefficients, as the
       reference) or ``"scatter"`` (bytes per worker flat in the number of
       workers: each chunk's mean is compressed again by its owner), see
-      :mod:`jaxcomp.scatter`.
+      :mod:`jaxcomp.exchanges.scatter`.
 
   Returns:
-    A :class:`jaxcomp.transformation.CompressedOptimizer`.
+    A :class:`jaxcomp.core.compression.CompressedOptimizer`.
 
   References:
     Peng, Quesnelle & Kingma, *DeMo: Decoupled Momentum Optimization*, 2024

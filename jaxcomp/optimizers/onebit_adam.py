@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp.collectives.axis import AxisName
+from jaxcomp.core.compression import CompressionTransformation, compressed_optimizer
+from jaxcomp.core.rebuild import configure
 from jaxcomp.optimizers.common import adam_args, codec_compressor, frozen_denominator
-from jaxcomp.rebuild import configure
-from jaxcomp.transformation import CompressionTransformation, compressed_optimizer
 from jaxcomp.transforms import _args
 
 

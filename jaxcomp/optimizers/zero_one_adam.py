@@ -39,11 +39,11 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp.accounting import wire_bytes
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName, current_axis
+from jaxcomp.core.accounting import wire_bytes
+from jaxcomp.core.compression import compressed_optimizer
 from jaxcomp.optimizers.common import adam_args, codec_compressor, frozen_denominator
-from jaxcomp.transformation import compressed_optimizer
 from jaxcomp.transforms import _args
 
 

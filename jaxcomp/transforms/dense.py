@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.builder import build
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.layout import Segments
-from jaxcomp.method import Method
-from jaxcomp.protocol import DENSE, Codec, CodecExchange, Ctx, Memory, flat_route
+from jaxcomp.core.builder import build
+from jaxcomp.core.layout import Segments
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import DENSE, Codec, CodecExchange, Ctx, Memory, flat_route
 from jaxcomp.transforms import _args
 
 

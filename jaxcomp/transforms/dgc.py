@@ -56,22 +56,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp import layout
-from jaxcomp.builder import build
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
+from jaxcomp.core import policy
+from jaxcomp.core.builder import build
+from jaxcomp.core.layout import Segments
+from jaxcomp.core.memories import DGCMemory
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Codec, Ctx, Exchange, flat_route
+from jaxcomp.core.rebuild import staged
+from jaxcomp.core.warmup import warmup_stages
+from jaxcomp.exchanges.scatter import ScatterCodec, ScatterForm
 from jaxcomp.kernels import rng
 from jaxcomp.kernels.sparse import select, sparse_bytes, sparse_decode, sparse_mean, sparse_payload
 from jaxcomp.kernels.thresholds import passes, refine_thresholds, sampled_thresholds, target
-from jaxcomp.layout import Segments
-from jaxcomp.memories import DGCMemory
-from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, Ctx, Exchange, flat_route
-from jaxcomp.rebuild import staged
-from jaxcomp.scatter import ScatterCodec, ScatterForm
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.threshold import BLOCK
-from jaxcomp.warmup import warmup_stages
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -212,12 +212,12 @@ def dgc(ratio: float | Schedule = 0.001, *, axis_name: AxisName = None, momentum
     seed: seeds the key (sample offsets).
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
     min_size: the bucket policy, see :func:`jaxcomp.build`; by default every leaf is compressed
-      (``min_size=0``, :data:`jaxcomp.layout.EVERY_LEAF`).
+      (``min_size=0``, :data:`jaxcomp.core.policy.EVERY_LEAF`).
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
-      :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
+      :func:`jaxcomp.build` and :mod:`jaxcomp.exchanges.hierarchy`).
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
   Example:
     >>> import jax.numpy as jnp
@@ -247,7 +247,7 @@ def dgc(ratio: float | Schedule = 0.001, *, axis_name: AxisName = None, momentum
                                    transport=transport))
                    for first, d in warmup_stages(fixed, w, start=WARMUP_START)])
   method = Method("dgc", flat_route(DGCExchange(schedule, top, sr)), DGCMemory(m, clip, axis_name),
-                  min_size=layout.EVERY_LEAF)
+                  min_size=policy.EVERY_LEAF)
   return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
                dense_axis_name=dense_axis_name, transport=transport)
 

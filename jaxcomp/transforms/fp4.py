@@ -21,14 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp import layout
-from jaxcomp.builder import build
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
+from jaxcomp.core import policy
+from jaxcomp.core.builder import build
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.exchanges.scatter import ScatterCodec
 from jaxcomp.kernels.sparse import scatter_mean
-from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
-from jaxcomp.scatter import ScatterCodec
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.dense import pow2
 
@@ -129,7 +129,7 @@ def fp4(*, axis_name: AxisName = None, block: int | None = 32, error_feedback: b
     error_feedback: keep the rounding error in a residual (default True).
     seed: seeds the state's key (the code uses no randomness).
     bucket_bytes, min_size, dense, dense_axis_name: see :func:`jaxcomp.build`.
-    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"``, see :mod:`jaxcomp.scatter`.
+    transport: ``"gather"`` (all-gather the payloads) or ``"scatter"``, see :mod:`jaxcomp.exchanges.scatter`.
 
   Example:
     >>> import jax.numpy as jnp
@@ -267,7 +267,7 @@ def chunked_topk(density: float = 0.02, bits: int = 2, chunk: int = 4096, decay:
     decay: the residual's decay beta, in [0, 1] (SparseLoCo: 0.95).
     axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name: see :func:`jaxcomp.build`;
       every leaf is compressed by default.
-    transport: ``"gather"`` or ``"scatter"``, see :mod:`jaxcomp.scatter`.
+    transport: ``"gather"`` or ``"scatter"``, see :mod:`jaxcomp.exchanges.scatter`.
     mean: ``"workers"`` or ``"senders"``, the divisor of each entry's sum (above).
 
   References:
@@ -282,6 +282,6 @@ def chunked_topk(density: float = 0.02, bits: int = 2, chunk: int = 4096, decay:
   per_entry = _args.choice("mean", mean, MEANS) == "senders"
   codec = ChunkedLowBitTopKCodec(r, b, int(bits), per_entry)
   method = Method("chunked_topk", flat_route(CodecExchange(codec)), Memory(beta=beta),
-                  min_size=layout.EVERY_LEAF)
+                  min_size=policy.EVERY_LEAF)
   return build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,
                transport=transport)

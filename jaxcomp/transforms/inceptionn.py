@@ -61,13 +61,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.builder import build
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
+from jaxcomp.core.builder import build
+from jaxcomp.core.layout import Segments
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.kernels import compaction, rng
-from jaxcomp.layout import Segments
-from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.transforms import _args
 
 
@@ -86,9 +86,8 @@ def width_prefix(tag_words: jax.Array) -> jax.Array:
   of 16. Each 4 bytes hold 16 tags (one uint32, tag i at bits 2i): a
   prefix sum over their totals (``n / 16`` entries), plus each entry's sum
   over the tags of its word up to itself, by population counts of the word
-  masked to those tags. No ``n``-sized prefix sum: on XLA:CPU 2.6 ms
-  against 17.5 ms for :func:`compaction.prefix_sum` of the widths
-  (ResNet-50's largest bucket, 6.5M entries).
+  masked to those tags. No ``n``-sized prefix sum (on XLA:CPU several times
+  slower than this, as :func:`compaction.prefix_sum` of the widths).
   """
   if tag_words.shape[-1] % 4:
     raise ValueError(f"width_prefix: the tags of a multiple of 16 entries (tag_words a multiple of 4"
@@ -272,7 +271,7 @@ def inceptionn(error_bound: float | None = None, capacity: float = 1.0, *, axis_
     seed: seeds the key (the per-step stream rotation).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter` (the
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter` (the
       relative bound is then per chunk).
     relative_bound: the error bound as a fraction of each leaf's largest
       ``|x|``, in [2**-23, 0.5] (default ``2**-10`` when ``error_bound`` is

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp import layout
-from jaxcomp.builder import build
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.method import Method
-from jaxcomp.protocol import DENSE, Ctx, Exchange, GroupExchange, Memory
+from jaxcomp.core import layout
+from jaxcomp.core.builder import build
+from jaxcomp.core.groups import GroupExchange
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import DENSE, Ctx, Exchange, Memory
 from jaxcomp.transforms import _args
 
 
@@ -208,8 +209,7 @@ def transposed_product(X: jax.Array, P: jax.Array) -> jax.Array:
 
   PowerSGD's ``Q = M^T P``, computed transposed: XLA:CPU runs ``P^T X`` (the
   small factor transposed) several times faster than ``X^T P`` (the gradient
-  transposed; measured on ResNet-50's largest group, (3, 4608, 512) by rank 4:
-  1.5 against 10.6 ms, a copy of X 9.9 ms). Callers keep the result in this
+  transposed, which costs about a copy of X). Callers keep the result in this
   layout: a transpose after it is folded back into the slow form.
   """
   return jnp.einsum("gar,gab->grb", P, X)

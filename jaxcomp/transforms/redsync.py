@@ -8,16 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.builder import build
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
+from jaxcomp.core.builder import build
+from jaxcomp.core.layout import Segments
+from jaxcomp.core.memories import MomentumCorrection
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Codec, Ctx, Exchange, Memory, flat_route
+from jaxcomp.exchanges.scatter import ScatterCodec, ScatterForm
 from jaxcomp.kernels import compaction, selection
 from jaxcomp.kernels.sparse import scatter_mean
-from jaxcomp.layout import Segments
-from jaxcomp.memories import MomentumCorrection
-from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, Ctx, Exchange, Memory, flat_route
-from jaxcomp.scatter import ScatterCodec, ScatterForm
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.threshold import BLOCK
 
@@ -173,15 +173,15 @@ def redsync(ratio: float = 0.001, selection: str = "binary_search", quantize: bo
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
-      :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
+      :func:`jaxcomp.build` and :mod:`jaxcomp.exchanges.hierarchy`).
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
   References:
     Fang, Fu, Yang & Hsieh, *RedSync: Reducing Synchronization Traffic for
     Distributed Deep Learning*, arXiv:1808.04357 (trimmed top-k, threshold
-    binary search, quantization, small layers dense; details recalled from
-    the paper, not its code); Lin et al., *Deep Gradient Compression*, ICLR
+    binary search, quantization, small layers dense; written from the paper's
+    description, not from its code); Lin et al., *Deep Gradient Compression*, ICLR
     2018 (momentum correction and factor masking).
   """
   r = _args.ratio("ratio", ratio)

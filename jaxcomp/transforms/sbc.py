@@ -86,18 +86,16 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp import layout
-from jaxcomp.builder import build
 from jaxcomp.collectives import golomb, ops, packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.kernels import compaction, segtopk
+from jaxcomp.core import layout, policy
+from jaxcomp.core.builder import build
+from jaxcomp.core.compression import compressed_optimizer
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Ctx, Exchange, Memory, flat_route
+from jaxcomp.kernels import binarize, compaction
 from jaxcomp.kernels.sparse import scatter_mean
-from jaxcomp.method import Method
-from jaxcomp.protocol import Ctx, Exchange, Memory, flat_route
-from jaxcomp.transformation import compressed_optimizer
 from jaxcomp.transforms import _args
-
-_SIGN = 0x7FFFFFFF
 
 
 class SBCState(NamedTuple):
@@ -115,72 +113,6 @@ class SBCState(NamedTuple):
   anchored: jax.Array
 
 
-def binarize(a: jax.Array, k: int):
-  """SBC's binarization of one flat vector: the side of the top-k with the larger mean.
-
-  Takes the ``k`` largest entries of ``a`` that are > 0 and the ``k`` largest
-  of ``-a`` that are > 0, with mean magnitudes ``mu+`` and ``mu-``; keeps the
-  positive side when ``mu+ >= mu-``. (One vector; :class:`SBCExchange` does
-  every segment of a bucket at once.)
-
-  Returns:
-    ``(value, positions, count)``: the float32 value every selected entry is
-    replaced by (``mu+`` or ``-mu-``), the int32 positions ``(k,)`` ascending
-    with unused slots equal to ``n``, and their int32 count.
-  """
-  n = a.shape[-1]
-  vp, ip = lax.top_k(a, k)
-  vn, in_ = lax.top_k(-a, k)
-  okp, okn = vp > 0, vn > 0
-  cp = jnp.sum(okp, dtype=jnp.int32)
-  cn = jnp.sum(okn, dtype=jnp.int32)
-  mup = jnp.sum(jnp.where(okp, vp, 0.0)) / jnp.maximum(cp, 1)
-  mun = jnp.sum(jnp.where(okn, vn, 0.0)) / jnp.maximum(cn, 1)
-  plus = mup >= mun
-  idx = jnp.where(plus, jnp.where(okp, ip, n), jnp.where(okn, in_, n))
-  return jnp.where(plus, mup, -mun), jnp.sort(idx.astype(jnp.int32)), jnp.where(plus, cp, cn)
-
-
-def _row_sum(per_row: jax.Array, segs: layout.Segments) -> jax.Array:
-  """Per-segment sums of a per-row array (rows of ``segs.block`` entries, on the leading axis)."""
-  if segs.count == 1:
-    return jnp.sum(per_row, axis=0)[None]
-  return jax.ops.segment_sum(per_row, segs.row_segment, segs.count, indices_are_sorted=True)
-
-
-def _thresholds(bits: jax.Array, segs: layout.Segments, k: np.ndarray):
-  """Per segment, the bit patterns of the ``k``-th largest positive entry and ``k``-th largest negative one.
-
-  ``bits``: the int32 bit pattern of a finite float32 bucket, whose order on
-  entries > 0 is that of the values, and on entries < 0 (sign bit set) that
-  of the magnitudes in the low 31 bits. Each side is the exact ``k``-th
-  largest of its patterns (the other side's entries as 0). On XLA:CPU from a
-  sampled bracket in a few passes over the bucket
-  (:func:`jaxcomp.kernels.segtopk.kth_largest_bits`); elsewhere built bit by
-  bit, both sides in each of 31 passes (a pass there runs at memory speed).
-  A side with fewer than ``k`` entries gets 0.
-  """
-  positive = jnp.maximum(bits, 0)
-  negative = jnp.where(bits < 0, bits & _SIGN, 0)
-  if segtopk.sampled(segs):
-    return segtopk.kth_largest_bits(positive, segs, k), segtopk.kth_largest_bits(negative, segs, k)
-  rows_p, rows_n = segs.rows(positive), segs.rows(negative)
-  k = jnp.asarray(k, jnp.int32)
-
-  def body(i, t):
-    tp, tn = t
-    bit = jnp.left_shift(jnp.int32(1), 30 - i)
-    cp, cn = tp | bit, tn | bit
-    above_p = jnp.sum((rows_p >= cp[segs.row_segment][:, None]).astype(jnp.int32), axis=1)
-    above_n = jnp.sum((rows_n >= cn[segs.row_segment][:, None]).astype(jnp.int32), axis=1)
-    tp = jnp.where(_row_sum(above_p, segs) >= k, cp, tp)
-    tn = jnp.where(_row_sum(above_n, segs) >= k, cn, tn)
-    return tp, tn
-
-  zero = jnp.zeros((segs.count,), jnp.int32) + (bits[0] & 0)  # typed like bits (shard_map's varying)
-  return lax.fori_loop(0, 31, body, (zero, zero))
-
-
 @dataclasses.dataclass(frozen=True)
 class SBCExchange(Exchange):
   """Local steps, then a sync: binarize every segment, Golomb-code, all-gather, decode, mean.
@@ -188,7 +120,7 @@ class SBCExchange(Exchange):
   A sync works on the whole bucket: per segment (leaf) the top-k of each
   side, the side's mean and the choice between them are found together for
   all segments (a bisection on the float bit patterns, see
-  :func:`_thresholds`), and the positions of the whole bucket travel as ONE
+  :func:`jaxcomp.kernels.binarize.sided_thresholds`), and the positions of the whole bucket travel as ONE
   Golomb stream (the gaps between consecutive selected positions of the
   bucket; the decoder knows the segment of a position from the static
   layout). The payload, one uint8 buffer and one all-gather per bucket: a
@@ -238,9 +170,9 @@ class SBCExchange(Exchange):
     finite = jnp.isfinite(a)
     a = jnp.where(finite, a, 0.0)
     bits = lax.bitcast_convert_type(a, jnp.int32)
-    tp, tn = _thresholds(bits, segs, kk)
+    tp, tn = binarize.sided_thresholds(bits, segs, kk)
     tp, tn = jnp.maximum(tp, 1), jnp.maximum(tn, 1)  # a side with fewer than k entries: all of them
-    negative, magnitude = bits < 0, bits & _SIGN
+    negative, magnitude = bits < 0, bits & binarize.SIGN
     tp_e, tn_e = segs.spread(tp), segs.spread(tn)
     above_p, tie_p = bits > tp_e, bits == tp_e
     above_n, tie_n = negative & (magnitude > tn_e), negative & (magnitude == tn_e)
@@ -374,7 +306,7 @@ def sbc(sparsity: float = 0.01, delay: int = 1, *, axis_name: AxisName = None,
       (about 4-6% above the expected length at p = 0.001-0.01).
     seed: seeds the state's key (SBC itself draws nothing).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`;
-      by default every leaf is compressed (``min_size=0``), see :data:`jaxcomp.layout.EVERY_LEAF`.
+      by default every leaf is compressed (``min_size=0``), see :data:`jaxcomp.core.policy.EVERY_LEAF`.
     transport: ``"gather"`` only: its sync schedule and Golomb stream have no
       scatter form; ``"scatter"`` raises.
     optimizer: the local optimizer SBC wraps (an optax
@@ -419,7 +351,7 @@ def sbc(sparsity: float = 0.01, delay: int = 1, *, axis_name: AxisName = None,
     capacity = _args.positive("capacity", capacity)
   _check_optimizer(optimizer, d)
   method = Method("sbc", flat_route(SBCExchange(p, d, capacity)), Memory(enabled=False),
-                  sync_every=d, min_size=layout.EVERY_LEAF)
+                  sync_every=d, min_size=policy.EVERY_LEAF)
   tx = build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,
              transport=transport)
   if optimizer is None:

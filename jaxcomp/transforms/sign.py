@@ -2,7 +2,7 @@
 
 Every codec here works on a whole bucket: the sign bits of all its leaves are
 packed together, and a per-leaf quantity (a scale, two means) is one float32
-per segment, from the segment reductions of :class:`jaxcomp.layout.Segments`.
+per segment, from the segment reductions of :class:`jaxcomp.core.layout.Segments`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.builder import build
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
-from jaxcomp.layout import Segments
-from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route, zero_after
-from jaxcomp.scatter import ScatterCodec
+from jaxcomp.core.builder import build
+from jaxcomp.core.layout import Segments
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route, zero_after
+from jaxcomp.exchanges.scatter import ScatterCodec
 from jaxcomp.transforms import _args
 
 TIES = ("zero", "positive")
@@ -147,7 +147,7 @@ def signsgd(*, axis_name: AxisName = None, error_feedback: bool = False, seed: i
     ties: what a tied vote gives: ``"zero"`` (default) or ``"positive"`` (+1).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
   Example:
     >>> import jax
@@ -207,7 +207,7 @@ def efsignsgd(lr: float = 0.1, *, axis_name: AxisName = None, seed: int = 0, buc
     seed: seeds the state's key (unused).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
   References:
     Karimireddy et al., *Error Feedback Fixes SignSGD and other Gradient
@@ -263,7 +263,7 @@ def signum(momentum: float = 0.9, *, axis_name: AxisName = None, seed: int = 0, 
     ties: what a tied vote gives: ``"zero"`` (default) or ``"positive"`` (+1).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
   References:
     Bernstein, Wang, Azizzadenesheli & Anandkumar, *signSGD: Compressed
@@ -320,7 +320,7 @@ def onebit(*, axis_name: AxisName = None, error_feedback: bool = True, seed: int
     seed: seeds the state's key (unused).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
   References:
     Seide, Fu, Droppo, Li & Yu, *1-Bit Stochastic Gradient Descent and its

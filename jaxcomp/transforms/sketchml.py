@@ -1,7 +1,7 @@
 """SketchML's quantile buckets: each value sent as the packed index of its bucket, with the bucket means.
 
 The codec works on a whole bucket with per-leaf meaning: the quantiles and
-bucket means are per segment (:class:`jaxcomp.layout.Segments`), computed for
+bucket means are per segment (:class:`jaxcomp.core.layout.Segments`), computed for
 all segments at once; the indices of all leaves of a bucket are packed
 together, each leaf's padded to a multiple of 128 entries (the segments' block).
 Payloads are all-gathered (the code does not add); each worker decodes and
@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.builder import build
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
+from jaxcomp.core.builder import build
+from jaxcomp.core.layout import Segments
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.kernels import rng
-from jaxcomp.layout import Segments
-from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.transforms import _args
 
 
@@ -199,7 +199,7 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, *, axis_name: AxisName
     seed: seeds the key (used for the sample).
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
   References:
     Jiang, Fu, Yang, Cui, *SketchML: Accelerating Distributed Machine Learning

@@ -28,15 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp import layout
-from jaxcomp.builder import build
 from jaxcomp.collectives.axis import AxisName
+from jaxcomp.core import policy
+from jaxcomp.core.builder import build
+from jaxcomp.core.layout import Segments
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.exchanges.scatter import ScatterCodec
 from jaxcomp.kernels import segtopk
 from jaxcomp.kernels.sparse import scatter_mean
-from jaxcomp.layout import Segments
-from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
-from jaxcomp.scatter import ScatterCodec
 from jaxcomp.transforms import _args
 
 CHUNK = 65536  # entries per chunk of the "chunk16" position code
@@ -231,9 +231,9 @@ def topk(ratio: float = 0.01, *, axis_name: AxisName = None, error_feedback: boo
       bucket of m entries (one selection over fused layers, as in bucketed
       top-k systems), positions relative to the bucket.
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`;
-      by default every leaf is compressed (``min_size=0``), see :data:`jaxcomp.layout.EVERY_LEAF`.
+      by default every leaf is compressed (``min_size=0``), see :data:`jaxcomp.core.policy.EVERY_LEAF`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
   Example:
     >>> import jax.numpy as jnp
@@ -265,7 +265,7 @@ def topk(ratio: float = 0.01, *, axis_name: AxisName = None, error_feedback: boo
     codec = ChunkedTopKCodec(r, b, val)
   else:
     codec = TopKCodec(r, pos, val, sc)
-  method = Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF)
+  method = Method("topk", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=policy.EVERY_LEAF)
   return build(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name=dense_axis_name,
                transport=transport)
 
@@ -340,10 +340,10 @@ def randomk(ratio: float = 0.01, *, axis_name: AxisName = None, error_feedback: 
     bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`. Unlike the
       other sparsifiers, random-k keeps small leaves dense by default (1024 entries): compressed,
       a bias of 10 entries sends one random entry a step, and its momentum-corrected residual
-      grows until the step lands (the digits MLP diverged, 15.6% against 97.2%); dense they add
-      9% to its bytes on ResNet-50's shapes.
+      grows until the step lands (the digits MLP diverged, docs/recipes.md); dense they add
+      little to its bytes on ResNet-50's shapes.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
   References:
     Stich et al., *Sparsified SGD with Memory*, NeurIPS 2018; Wangni et al.,

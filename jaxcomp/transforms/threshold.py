@@ -14,17 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp import layout
-from jaxcomp.builder import build
 from jaxcomp.collectives import packing
 from jaxcomp.collectives.axis import AxisName
+from jaxcomp.core import policy
+from jaxcomp.core.builder import build
+from jaxcomp.core.layout import Segments
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.exchanges.scatter import ScatterCodec
 from jaxcomp.kernels import compaction, rng
 from jaxcomp.kernels.sparse import segment_caps, select, sparse_decode, sparse_mean, sparse_payload
 from jaxcomp.kernels.thresholds import passes, refine_thresholds, sampled_thresholds, segment_rms, target
-from jaxcomp.layout import Segments
-from jaxcomp.method import Method
-from jaxcomp.protocol import Codec, CodecExchange, Memory, flat_route
-from jaxcomp.scatter import ScatterCodec
 from jaxcomp.transforms import _args
 
 BLOCK = 128  # segments start at multiples of it: packed mask words never straddle two leaves
@@ -92,9 +92,9 @@ def threshold(v: float | None = None, capacity: float = 0.1, *, axis_name: AxisN
   the leaf's largest (so a leaf of ``n <= v_rms**2`` entries, whose entries
   never exceed ``sqrt(n)`` times its RMS, still sends). That sends the
   same fraction of a leaf whatever the gradients' scale: 4.55% of a standard
-  normal leaf on one step, about 3.9% per step in the steady state of error
-  feedback on i.i.d. Gaussian gradients (at ``v_rms=2.5`` the residual
-  outgrows the threshold and the steady state sends 0.1%). The output is
+  normal leaf on one step (a little less per step once error feedback's
+  residual settles; at ``v_rms=2.5`` the residual outgrows the threshold and
+  the steady state sends far less). The output is
   scale-equivariant: the output for ``c * g`` is ``c`` times the output for
   ``g``, bit for bit at a power-of-two ``c``. Strom's and GRACE's absolute
   threshold is one argument away, ``threshold(v=0.01)``: then the fraction
@@ -131,13 +131,13 @@ def threshold(v: float | None = None, capacity: float = 0.1, *, axis_name: AxisN
     seed: seeds the state's key (the random start offset).
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
     min_size: the bucket policy, see :func:`jaxcomp.build`; by default every leaf is compressed
-      (``min_size=0``, :data:`jaxcomp.layout.EVERY_LEAF`).
+      (``min_size=0``, :data:`jaxcomp.core.policy.EVERY_LEAF`).
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
-      :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
+      :func:`jaxcomp.build` and :mod:`jaxcomp.exchanges.hierarchy`).
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`; with
-      ``"scatter"`` the RMS is that of each chunk (:mod:`jaxcomp.scatter`).
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`; with
+      ``"scatter"`` the RMS is that of each chunk (:mod:`jaxcomp.exchanges.scatter`).
     v_rms: the threshold in units of each leaf's RMS, >= 0 (default 2.0 when
       ``v`` is not given; 0 sends every nonzero entry up to the capacity).
 
@@ -157,7 +157,7 @@ def threshold(v: float | None = None, capacity: float = 0.1, *, axis_name: AxisN
   ef = _args.flag("error_feedback", error_feedback)
   codec = ThresholdCodec(codec_v, cap, relative)
   method = Method("threshold", flat_route(CodecExchange(codec)), Memory(enabled=ef),
-                  min_size=layout.EVERY_LEAF)
+                  min_size=policy.EVERY_LEAF)
   return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
                dense_axis_name=dense_axis_name, transport=transport)
 
@@ -305,12 +305,12 @@ def adaq(ratio: float = 0.3, *, axis_name: AxisName = None, sample_ratio: float 
     seed: seeds the key (sample offsets).
     bucket_bytes: the bucket policy, see :func:`jaxcomp.build`.
     min_size: the bucket policy, see :func:`jaxcomp.build`; by default every leaf is compressed
-      (``min_size=0``, :data:`jaxcomp.layout.EVERY_LEAF`).
+      (``min_size=0``, :data:`jaxcomp.core.policy.EVERY_LEAF`).
     dense: the bucket policy, see :func:`jaxcomp.build`.
     dense_axis_name: a fast axis averaged densely before the compressed exchange (see
-      :func:`jaxcomp.build` and :mod:`jaxcomp.hierarchy`).
+      :func:`jaxcomp.build` and :mod:`jaxcomp.exchanges.hierarchy`).
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
-      worker flat in the number of workers), see :mod:`jaxcomp.scatter`.
+      worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
   References:
     Dryden, Moon, Jacobs & Van Essen, *Communication Quantization for
@@ -322,6 +322,6 @@ def adaq(ratio: float = 0.3, *, axis_name: AxisName = None, sample_ratio: float 
   enc = _args.choice("encoding", encoding, ("auto", "indices", "map"))
   ef = _args.flag("error_feedback", error_feedback)
   codec = AdaQCodec(r, sr, cap, enc)
-  method = Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=layout.EVERY_LEAF)
+  method = Method("adaq", flat_route(CodecExchange(codec)), Memory(enabled=ef), min_size=policy.EVERY_LEAF)
   return build(method, axis_name, seed, bucket_bytes=bucket_bytes, min_size=min_size, dense=dense,
                dense_axis_name=dense_axis_name, transport=transport)

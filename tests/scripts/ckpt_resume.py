@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp import checkpoint
+from jaxcomp.training import checkpoint
 
 N = 8
 AXIS = "data"

@@ -1,9 +1,9 @@
 """One process of a 2-process ``jax.distributed`` training job in which one process fails.
 
 ``python fault_worker.py FAULT VICTIM STEP WATCHDOG_S PID_DIR``, started by
-``jaxcomp.launch.launch``. Every process trains a small model with top-k under
+``jaxcomp.training.launch.launch``. Every process trains a small model with top-k under
 ``jax.shard_map`` over the job's devices (one per process), behind a
-``jaxcomp.launch.Watchdog(WATCHDOG_S)``, with a 10 s heartbeat timeout. At step
+``jaxcomp.training.launch.Watchdog(WATCHDOG_S)``, with a 10 s heartbeat timeout. At step
 ``STEP`` the process ``VICTIM``:
 
 - ``kill``: SIGKILLs itself (a crash, an OOM kill);
@@ -23,7 +23,7 @@ import time
 
 START = time.monotonic()
 
-from jaxcomp import launch
+from jaxcomp.training import launch
 
 HEARTBEAT_TIMEOUT_S = 10
 STEPS = 10_000

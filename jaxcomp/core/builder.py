@@ -1,0 +1,319 @@
+"""The builder: a :class:`jaxcomp.core.method.Method` made an optax transformation.
+
+The data path of one step (:func:`_update`), as GRACE's
+``compensate -> compress -> memory.update -> send_receive``::
+
+    bucket      the gradient leaves laid out in flat float32 buckets
+    compensate  memory.compensate: the residual added back
+    exchange    each bucket's exchange: encode, collective, decode
+    guard       a non-finite step: NaN on every worker, nothing counted as sent
+    remember    memory.update: what was not sent stays in the memory
+    output      memory.output, cut back into leaves
+
+Under a fast axis (``dense_axis_name``) each worker compresses its chunk of
+every bucket after a dense reduce-scatter and all-gathers the mean chunks
+(:mod:`jaxcomp.exchanges.hierarchy`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomp.collectives import ops
+from jaxcomp.collectives.axis import Axis, AxisName, axis_names, current_axis
+from jaxcomp.core import checks, layout, policy
+from jaxcomp.core.compression import CompressionTransformation, Settings, record_init
+from jaxcomp.core.groups import groups, join
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import DENSE, CompressState, Ctx, MemoryStep
+from jaxcomp.exchanges import hierarchy
+from jaxcomp.training import finite
+
+
+def build(method: Method, axis_name: AxisName = None, seed: int = 0, bucket_bytes: int | None = None,
+          min_size: int | None = None, dense: Any = None,
+          dense_axis_name: AxisName = None, transport: str | None = None) -> CompressionTransformation:
+  """Assembles ``method`` into an optax transformation communicating over ``axis_name``.
+
+  Args:
+    method: routes, exchanges and memory.
+    axis_name: the pmap / shard_map axis (or tuple of axes) to average over;
+      ``None`` runs a local compress -> decode round trip.
+    seed: seeds the PRNG key in the state (identical on every worker).
+    bucket_bytes: the largest bucket, in float32 bytes (default 25 MiB, as
+      torch DDP); a leaf larger than that gets a bucket of its own.
+    min_size: leaves of fewer entries travel dense in float32 (default: the
+      method's); 0 or 1 compresses every leaf.
+    dense: leaves kept dense whatever their size: an optax-style mask, a
+      pytree of bools like the gradients or a callable returning one.
+    dense_axis_name: a fast axis (inside a node) averaged densely before the
+      compressed exchange over ``axis_name`` (between nodes); call ``tx.init``
+      inside the mesh too: each worker's state holds its chunk of every bucket.
+    transport: ``"gather"`` (all-gather every worker's payload) or
+      ``"scatter"`` (bytes flat in N, :mod:`jaxcomp.exchanges.scatter`); None keeps the method's.
+
+  Returns:
+    A :class:`jaxcomp.core.compression.CompressionTransformation`; its
+    ``update`` returns the mean over the axis of what the workers sent,
+    identical on every worker.
+
+  Non-finite steps: if any worker's compensated gradient holds a NaN or Inf,
+  the output is non-finite on every worker alike (so ``apply_if_finite``
+  skips it on all replicas), the residual keeps every finite value and the
+  exchanges' state is left as it was. Methods with state, and methods whose
+  exchanges do not carry NaN/Inf into the mean themselves
+  (``carries_nonfinite``), make every entry of the output NaN; the latter
+  cost one float32 all-reduce per step for it, counted by
+  :func:`jaxcomp.wire_bytes`, and a check over the buckets. Stateless
+  methods whose exchanges carry it return exactly their mean, non-finite
+  where the payload put it (a leaf's NaN norm, a bucket's NaN flag, one
+  +-Inf entry for natural compression).
+  """
+  settings = checks.settings(method, axis_name, seed, bucket_bytes, min_size, dense, dense_axis_name,
+                             transport)
+  tx = CompressionTransformation(lambda params: _init(tx, params),
+                                 lambda updates, state, params=None: _update(tx, updates, state, params),
+                                 settings)
+  return tx
+
+
+# ----------------------------------------------------------------------------
+# init
+
+
+def _init(tx: CompressionTransformation, params) -> CompressState:
+  s = tx.settings
+  method = s.method
+  if record_init(tx, params):  # jaxcomp.compressor(): only which transformation, on which leaves
+    return _state(jax.random.PRNGKey(s.seed), (), ())
+  _check_fast_axis_bound(s)
+  buckets = _work_buckets(s, params)
+  if method.stages:
+    method.check_stages(params, method.buckets(params))
+  key = _worker_key(s)
+  extra = _init_extra(method, buckets, key)
+  if method.stages:
+    checks.check_stage_state(method, extra, [_init_extra(method, _work_buckets(s, params, j), key)
+                                             for j in range(1, len(method.stages) + 1)])
+  if checks.remember(tx.signatures, params):
+    policy.warn_if_mostly_dense(method, params, DENSE, stacklevel=4)  # once per tree this tx sees
+  zeros = tuple(jnp.zeros((b.length,), jnp.float32) for b in buckets)
+  return _state(key, method.memory.init(zeros), extra)
+
+
+def _state(key, memory, extra, count=None, phase=None) -> CompressState:
+  return CompressState(count=jnp.zeros((), jnp.int32) if count is None else count, key=key, memory=memory,
+                       extra=extra, phase=jnp.zeros((), jnp.uint32) if phase is None else phase)
+
+
+def _check_fast_axis_bound(s: Settings) -> None:
+  if s.dense_axis_name is None:
+    return
+  try:
+    current_axis(s.dense_axis_name)
+  except ValueError:
+    raise ValueError(
+        f"with dense_axis_name={s.dense_axis_name!r}, call tx.init inside the mesh (jax.shard_map"
+        " over both axes, or jaxcomp.data_parallel): each worker's state holds its chunk of every"
+        " bucket, whose size depends on the fast axis") from None
+
+
+def _chunked(s: Settings) -> bool:
+  """Each worker compresses its chunk of every bucket (a fast axis, a method that can be chunked)."""
+  return s.dense_axis_name is not None and s.method.chunks
+
+
+def _work_buckets(s: Settings, tree, stage: int = 0):
+  """The buckets this worker compresses: whole, or its chunk of each under a fast axis."""
+  full = s.method.buckets(tree, stage)
+  if not _chunked(s):
+    return full
+  return hierarchy.chunked(full, current_axis(s.dense_axis_name).size)
+
+
+def _worker_key(s: Settings):
+  key = jax.random.PRNGKey(s.seed)
+  if _chunked(s):  # each worker of a node its own chunk
+    key = jax.random.fold_in(key, current_axis(s.dense_axis_name).index)
+  return key
+
+
+def _init_extra(method: Method, buckets, key) -> tuple:
+  """Each bucket's exchange state (a fused method's groups: the group form's)."""
+  def init(b, k):
+    if method.fused is not None:
+      return method.fused.init_bucket(b.exchange, b.segments, k)
+    return b.exchange.init_bucket(b.segments, k)
+
+  return tuple(init(b, jax.random.fold_in(key, i)) for i, b in enumerate(buckets))
+
+
+# ----------------------------------------------------------------------------
+# update
+
+
+def _update(tx: CompressionTransformation, updates, state, params=None):
+  s = tx.settings
+  method = s.method
+  finite.check_guarded(s.axis_name, s.dense_axis_name)
+  leaves, treedef = checks.update_inputs(updates, state, tx.signatures, s.axis_name)
+  full = method.buckets(updates)
+  if method.stages:
+    method.check_stages(updates, full)
+  buckets = _work_buckets(s, updates)
+  checks.check_state(method, state, buckets, treedef)
+  axis = current_axis(s.axis_name)
+  fast = None if s.dense_axis_name is None else current_axis(s.dense_axis_name)
+  chunks = fast is not None and buckets is not full
+  key, step_key = jax.random.split(state.key)
+  ctx = Ctx(axis, step_key, state.count, state.phase)
+
+  grads, bucket_params = _bucket(full, buckets, leaves, treedef, params, fast, chunks)
+  x, carry = method.memory.compensate(tuple(grads), state.memory)
+  mean, local, extra = _exchange_or_warm_up(method, lambda i: _work_buckets(s, updates, i), x,
+                                            state.extra, ctx, bucket_params)
+  local = [jnp.where(b.segments.valid(), v, 0.0) if b.segments.has_pads else v
+           for b, v in zip(buckets, local)]
+  # chunks: a NaN lands in one worker's chunk, so the flag goes over both axes
+  flag_axis = Axis(axis_names(s.axis_name) + axis_names(s.dense_axis_name), 0, axis.index) \
+      if chunks else axis
+  mean, local, extra = _guard_nonfinite(method.carries_nonfinite(updates), x, mean, local, extra,
+                                        state, flag_axis, chunks)
+  memory = _remember(method, x, local, mean, state.memory, buckets, ctx, carry)
+  out = method.memory.output(tuple(mean), state.memory, memory)
+  if chunks:  # every worker's mean chunk, back in whole buckets (fast axis)
+    out = hierarchy.all_gather(out, full, fast)
+  out = layout.unpack(full, out, leaves)
+  new_state = _state(key, memory, tuple(extra), optax.safe_int32_increment(state.count),
+                     state.phase + jnp.uint32(1))
+  return treedef.unflatten(out), new_state
+
+
+def _bucket(full, buckets, leaves, treedef, params, fast, chunks):
+  """The gradients (and the parameters exchanges want) in buckets; under a fast axis its dense mean."""
+  grads = layout.pack(full, leaves)
+  bucket_params = _bucket_params(full, treedef, params)
+  if chunks:  # the node's mean of this worker's chunk (dense, fast axis)
+    grads = hierarchy.reduce_scatter_mean(grads, buckets, fast)
+    bucket_params = hierarchy.chunk_of(bucket_params, buckets, fast)
+  elif fast is not None:  # not chunkable: the node's mean of every bucket
+    grads = [g / fast.size for g in ops.allreduce_sum(tuple(grads), fast)]
+  return grads, bucket_params
+
+
+def _bucket_params(buckets, treedef, params):
+  """The parameters of the buckets whose exchange ``wants_params`` (float32 vectors), else None."""
+  wanted = [b.exchange.wants_params for b in buckets]
+  if params is None or not any(wanted):
+    return [None] * len(buckets)
+  leaves = treedef.flatten_up_to(params)
+  return [layout.pack([b], leaves)[0] if w else None for b, w in zip(buckets, wanted)]
+
+
+def _remember(method: Method, x, local, mean, memory, buckets, ctx: Ctx, carry=None):
+  """The memory's new state: what was not sent."""
+  dense_step = ctx.count < method.start_step if method.start_step > 0 else None
+  step = MemoryStep(buckets=buckets, mean=tuple(mean), carry=carry, dense_step=dense_step)
+  return method.memory.update(tuple(x), tuple(local), memory, step)
+
+
+def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: Ctx, params):
+  """The exchanges of the step's stage, or before ``method.start_step`` the dense mean (all sent).
+
+  One compiled program holds every stage: ``lax.switch`` on the step count.
+  """
+  def dense(x, extras):
+    mean = ops.allreduce_sum(tuple(x), ctx.axis)  # one all-reduce for every bucket
+    return [m / ctx.axis.size for m in mean], list(x), list(extras)
+
+  def stage(i):
+    buckets = layout_of(i)
+
+    def compressed(x, extras):
+      mean, local, extra = _exchange_all(method, buckets, list(x), extras, ctx, params)
+      return list(mean), list(local), list(extra)
+
+    return compressed
+
+  branches = ([dense] if method.start_step > 0 else []) + \
+      [stage(i) for i in range(len(method.stages) + 1)]
+  if len(branches) == 1:
+    return branches[0](x, extras)
+  branches = [lambda x, e, f=f: ops.varying(f(x, e), ctx.axis) for f in branches]
+  firsts = ([method.start_step] if method.start_step > 0 else []) + [s for s, _ in method.stages]
+  index = sum((ctx.count >= s).astype(jnp.int32) for s in firsts)
+  return lax.switch(index, branches, tuple(x), tuple(extras))
+
+
+def _exchange_all(method: Method, buckets, x, extras, ctx: Ctx, params):
+  """Each bucket's exchange (or the method's fused exchange): lists of mean, local, extra."""
+  if method.fused is None:
+    results = [b.exchange.exchange(xb, b.segments, e, ctx._replace(key=jax.random.fold_in(ctx.key, i),
+                                                                   params=p))
+               for i, (b, xb, e, p) in enumerate(zip(buckets, x, extras, params))]
+    return [list(r) for r in zip(*results)] if results else ([], [], [])
+  return _exchange_fused(method, buckets, x, extras, ctx)
+
+
+def _exchange_fused(method: Method, buckets, x, extras, ctx: Ctx):
+  """Every group of every bucket through the method's fused exchange, then back into buckets."""
+  plan, xs, states, where = [], [], [], []
+  for i, (b, xb) in enumerate(zip(buckets, x)):
+    for g, (view, idx) in enumerate(groups(b.segments)):
+      plan.append((b.exchange, view, [b.leaves[s] for s in idx]))
+      xs.append(jnp.stack([b.segments.segment(xb, s).reshape(view) for s in idx]))
+      states.append(extras[i][g])
+      where.append((i, idx))
+  fused = method.fused(plan, xs, tuple(states), ctx)
+  mean = [[None] * b.segments.count for b in buckets]
+  local = [[None] * b.segments.count for b in buckets]
+  new_extra = [[] for _ in buckets]
+  for (i, idx), (m, loc, e) in zip(where, fused):
+    new_extra[i].append(e)
+    for j, s in enumerate(idx):
+      mean[i][s], local[i][s] = m[j].reshape(-1), loc[j].reshape(-1)
+  return ([join(m, b.segments) for m, b in zip(mean, buckets)],
+          [join(loc, b.segments) for loc, b in zip(local, buckets)],
+          [tuple(e) for e in new_extra])
+
+
+def _nan_if_nonfinite(vectors) -> jax.Array:
+  """0.0 if every entry of ``vectors`` is finite, else NaN.
+
+  An AND-reduction of ``isfinite`` (it fuses into the kernel that produces
+  ``vectors``). Not a max of magnitudes: XLA:CPU's vectorised max-reduction
+  can drop a NaN that sits among equal values, and the step would pass as finite.
+  """
+  ok = jnp.ones((), jnp.bool_)
+  for v in vectors:
+    if v.size:
+      ok = ok & jnp.all(jnp.isfinite(v))
+  return jnp.where(ok, 0.0, jnp.nan).astype(jnp.float32)
+
+
+def _guard_nonfinite(carried, x, mean, local, extra, state, axis, chunks=False):
+  """A non-finite step: NaN output on every worker, nothing counted as sent, exchange state kept.
+
+  ``carried``: every exchange of every stage carries NaN/Inf into the mean.
+  ``chunks``: each worker holds a chunk (a fast axis): its mean shows only its
+  chunk's NaN, so the flag goes over ``axis`` (both axes) whenever there is state.
+  Codecs lose NaNs (a sign bit, an unsampled position), so each worker's
+  ``sum(x * 0)``-like flag (0 or NaN) is all-reduced as one float32 where needed.
+  """
+  stateless = not jax.tree.leaves((state.memory, state.extra))
+  if not x or (carried and stateless):  # exactly the exchanges' mean (lax.pmean; chunks: all-gathered)
+    return mean, local, extra
+  if carried and not chunks:  # the exchanges put any NaN/Inf into the mean
+    bad = jnp.isnan(_nan_if_nonfinite(mean))
+  else:
+    bad = jnp.isnan(ops.allreduce_sum(_nan_if_nonfinite(x), axis))
+  mean = [jnp.where(bad, jnp.nan, m) for m in mean]
+  local = [jnp.where(bad, 0.0, v) for v in local]
+  extra = [jax.tree.map(lambda new, old: jnp.where(bad, old, new), e, e0)
+           for e, e0 in zip(extra, state.extra)]
+  return mean, local, extra
