@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxcomp
-from jaxcomp_bench import advise as adv
+from jaxcomp.planning import advise as adv
 
 TREE = {"w1": jax.ShapeDtypeStruct((512, 256), jnp.float32), "b1": jax.ShapeDtypeStruct((256,), jnp.float32),
         "w2": jax.ShapeDtypeStruct((256, 1024), jnp.float32)}

@@ -8,6 +8,7 @@ import pytest
 from harness import AXIS, init_stacked, params_tree, worker_grads
 
 import jaxcomp
+from jaxcomp.collectives.hlo import runs as collective_runs
 from jaxcomp.planning import netsim
 
 MB = 1e6
@@ -140,7 +141,7 @@ def test_collectives_read_from_compiled_programs():
     tx = jaxcomp.METHODS[name](axis_name=AXIS)
     step = jax.pmap(lambda g, s, tx=tx: tx.update(g, s), axis_name=AXIS)
     hlo = step.lower(worker_grads(params), init_stacked(tx, params)).compile().as_text()
-    colls = hlo.runs(hlo)
+    colls = collective_runs(hlo)
     # beyond the 4-byte non-finite flag that gathered methods all-reduce
     assert {k for k, b in colls if b > 4} == {kind}
     assert sum(b for _, b in colls) == jaxcomp.collective_bytes(hlo)["total"]

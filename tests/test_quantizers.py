@@ -391,7 +391,7 @@ def _check_u8bit(x):
 def test_u8bit_cell_lookup_is_searchsorted_of_the_bounds():
   """The encode's index (a cell table and one compare) is searchsorted(bounds, r, "left") exactly:
   on every bound, its float neighbours, 0, 1, the cell edges and random r in [0, 1]."""
-  from jaxcomp.transforms.quantize import _BOUNDS
+  from jaxcomp.transforms.u8bit import _BOUNDS
   b = _BOUNDS
   edges = (np.arange(0, (0x3F800000 >> 18) + 1, dtype=np.uint32) << 18).view(np.float32)
   r = np.concatenate([b, np.nextafter(b, np.float32(0)), np.nextafter(b, np.float32(2)), edges,

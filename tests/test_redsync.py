@@ -67,7 +67,7 @@ KINDS = st.sampled_from(["normal", "ties", "heavy", "constant", "sparse"])
 @given(n=st.sampled_from(SIZES), ratio=st.sampled_from(RATIOS), kind=KINDS, seed=st.integers(0, 2**16))
 def test_trimmed_topk_is_the_exact_topk(n, ratio, kind, seed):
   x = _data(kind, n, seed)
-  k = _args.count(ratio, n)
+  k = _args.ratio_count(ratio, n)
   sel = _trimmed(k)(jnp.asarray(x))
   for row, idx, count in zip(x, np.asarray(sel.indices), np.asarray(sel.count)):
     # lax.top_k's order: decreasing magnitude, lower index first among equals.
@@ -79,7 +79,7 @@ def test_trimmed_topk_is_the_exact_topk(n, ratio, kind, seed):
        warm=st.sampled_from([0.0, 0.5, 3.0, 1e30]))
 def test_binary_search_returns_k_to_capacity_dominant_entries(n, ratio, kind, seed, warm):
   x = _data(kind, n, seed)
-  k = _args.count(ratio, n)
+  k = _args.ratio_count(ratio, n)
   cap = min(2 * k, n)
   sel = _bsearch(k)(jnp.asarray(x), jnp.full((BATCH,), warm, jnp.float32))
   for row, idx, count, thr in zip(x, np.asarray(sel.indices), np.asarray(sel.count),
@@ -98,7 +98,7 @@ def test_binary_search_returns_k_to_capacity_dominant_entries(n, ratio, kind, se
 
 def test_binary_search_with_the_carried_threshold_finds_the_same_kind_of_set():
   x = _data("normal", 1000, 1)
-  k = _args.count(0.01, 1000)
+  k = _args.ratio_count(0.01, 1000)
   first = _bsearch(k)(jnp.asarray(x), jnp.zeros((BATCH,), jnp.float32))
   again = _bsearch(k)(jnp.asarray(x), first.threshold)
   np.testing.assert_array_equal(np.asarray(again.threshold), np.asarray(first.threshold))
@@ -108,7 +108,7 @@ def test_binary_search_with_the_carried_threshold_finds_the_same_kind_of_set():
 def test_nan_entries_are_never_selected():
   x = _data("normal", 1000, 2)
   x[:, ::3] = np.nan
-  k = _args.count(0.3, 1000)
+  k = _args.ratio_count(0.3, 1000)
   for sel in (_trimmed(k)(jnp.asarray(x)), _bsearch(k)(jnp.asarray(x), jnp.zeros((BATCH,)))):
     for row, idx, count in zip(x, np.asarray(sel.indices), np.asarray(sel.count)):
       assert np.all(np.isfinite(row[idx[:count]]))
@@ -186,7 +186,7 @@ def test_variants_send_what_they_count_and_keep_the_rest(kwargs):
     for s, o in zip(jax.tree.leaves(sent), jax.tree.leaves(out)):
       np.testing.assert_allclose(np.asarray(o[0]), s.mean(axis=0), rtol=1e-5, atol=1e-6)
     kernel = sent["dense"]["kernel"].reshape(sent["dense"]["kernel"].shape[0], -1)  # sparse
-    k = _args.count(kwargs["ratio"], kernel.shape[1])
+    k = _args.ratio_count(kwargs["ratio"], kernel.shape[1])
     for w in range(kernel.shape[0]):
       values = kernel[w][kernel[w] != 0]
       if kwargs["selection"] == "trimmed":
@@ -208,7 +208,7 @@ def test_trimmed_payload_matches_numpy_topk_mean():
   grads = worker_grads(params, seed=7)
   out, _ = run_pmap(tx, grads, init_stacked(tx, params))
   g = np.asarray(grads["conv"]["kernel"], np.float64).reshape(grads["conv"]["kernel"].shape[0], -1)
-  k = _args.count(0.01, g.shape[1])
+  k = _args.ratio_count(0.01, g.shape[1])
   ref = np.zeros_like(g)
   for w in range(g.shape[0]):
     top = np.argsort(-np.abs(g[w]), kind="stable")[:k]
@@ -251,7 +251,7 @@ def test_momentum_correction_masks_sent_entries_and_keeps_the_rest():
     u_old, v_old = np.asarray(old_mem.momentum["w"]), np.asarray(old_mem.accumulation["w"])
     x = v_old + 0.9 * u_old + np.asarray(g)
     sent = np.asarray(out["w"]) != 0
-    assert 0 < sent.sum() <= 2 * _args.count(0.05, 960)
+    assert 0 < sent.sum() <= 2 * _args.ratio_count(0.05, 960)
     np.testing.assert_allclose(np.asarray(new_mem.accumulation["w"]) + np.asarray(out["w"]), x,
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(new_mem.momentum["w"])[sent], 0.0)
@@ -316,7 +316,7 @@ _search_alone = jax.jit(lambda leaf, k, t: selection.threshold_binary_search(lea
 def test_segment_search_matches_each_leaf_alone(kind):
   sizes = (1000, 37, 300, 4099)
   x, segs = _bucket(sizes, 5, kind)
-  k = np.array([_args.count(0.01, n) for n in sizes])
+  k = np.array([_args.ratio_count(0.01, n) for n in sizes])
   guess = jnp.asarray([0.0, 0.5, 3.0, 1e30], jnp.float32)
   both = jax.jit(lambda x, t: (selection.segment_binary_search(x, segs, k, threshold=t),
                                selection.segment_trimmed_topk(x, segs, k)))

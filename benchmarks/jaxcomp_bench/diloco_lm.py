@@ -48,6 +48,7 @@ import numpy as np
 import optax
 
 import jaxcomp
+from jaxcomp.collectives.hlo import runs as collective_runs
 from jaxcomp.planning import netsim
 from jaxcomp.training.diloco import fragment_leaves, leaf_costs
 from jaxcomp.training.recipes import ADAMW
@@ -161,7 +162,7 @@ def sync_traffic(run: Run, setup: Setup, params, sync_every: int) -> List[list]:
         jaxcomp.per_worker(like, WORKERS), jaxcomp.per_worker(comp.init(like), WORKERS)).compile().as_text()
     run.hlo_bytes.append(int(jaxcomp.collective_bytes(hlo)["total"]))
     run.nominal_bytes.append(int(jaxcomp.wire_bytes(comp, like, workers=WORKERS)))
-    traffic.append(hlo.runs(hlo))
+    traffic.append(collective_runs(hlo))
   if run.config == "dp":
     run.mean_bytes, run.peak_bytes = float(run.nominal_bytes[0]), run.nominal_bytes[0]
   else:
@@ -468,7 +469,8 @@ def _notes(args) -> List[str]:
       " 0 on local steps, the fragment's jaxcomp.wire_bytes on a sync, checked against the compiled"
       " sync's HLO); peak B/sync: the largest sync's.",
       f"pred. 8w@BG: the mean step measured here ({WORKERS} workers sharing {os.cpu_count()} CPU cores) as"
-      f" compute, plus jaxcomp.netsim's time for each sync's compiled collectives on a flat ring of 8"
-      f" workers, B Gb/s links, alpha {LATENCY_US:g} us, spread over the H = {args.sync_every} steps"
+      f" compute, plus jaxcomp.planning.netsim's time for each sync's compiled collectives on a flat"
+      f" ring of 8 workers, B Gb/s links, alpha {LATENCY_US:g} us, spread over the"
+      f" H = {args.sync_every} steps"
       " (no overlap).",
   ]

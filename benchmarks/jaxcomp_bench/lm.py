@@ -47,6 +47,7 @@ import numpy as np
 import optax
 
 import jaxcomp
+from jaxcomp.collectives.hlo import runs as collective_runs
 from jaxcomp_bench.common import (
   BLOCK_EVERY,
   WORKERS,
@@ -219,7 +220,7 @@ def _train(res: Result, seed: int, workers: int, batch: int, progress: bool) -> 
     res.warmup_steps = max([method.start_step] + [first for first, _ in method.stages])
   wire = jaxcomp.collective_bytes(hlo)
   res.wire_bytes, res.collectives = int(wire["total"]), int(wire["count"])
-  res.traffic = [list(t) for t in hlo.runs(hlo)]
+  res.traffic = [list(t) for t in collective_runs(hlo)]
   res.nominal_bytes = int(jaxcomp.wire_bytes(comp, params, workers=workers))
 
   run = timed_steps(compiled, P, S, (x0, y0), data, res.steps, f"{res.method:>12} {res.chain}", progress)
@@ -410,7 +411,7 @@ def _notes() -> List[str]:
       " vs dense: its change against the dense run of the same chain.",
       "wire B/step: bytes one worker hands to collectives per step, read from the compiled step's HLO"
       " (after a warm-up: the last stage's, compiled alone); vs dense bytes: dense's bytes / these.",
-      f"pred. 8w@BG: jaxcomp.netsim's step time for 8 workers on a flat ring of B Gb/s links, alpha"
+      f"pred. 8w@BG: jaxcomp.planning.netsim's step time for 8 workers on a flat ring of B Gb/s links, alpha"
       f" {LATENCY_US:g} us: the dense step measured here (median over blocks of {BLOCK_EVERY} steps,"
       f" {WORKERS} workers sharing {os.cpu_count()} CPU cores) as compute, the method's extra step time"
       " over dense as compression, its compiled step's collectives as traffic, no overlap;"

@@ -81,7 +81,7 @@ def measure(reps: int, methods: Sequence[str], quick: bool) -> dict:
   """Every measurement of one setting (this runtime's devices)."""
   import jax
 
-  from jaxcomp_bench import advise as adv
+  from jaxcomp.planning import advise as adv
   from jaxcomp_bench import shapes as shp
 
   sizes = SIZES[:3] if quick else SIZES

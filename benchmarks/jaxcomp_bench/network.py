@@ -44,6 +44,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from jaxcomp.collectives.hlo import runs as collective_runs
 from jaxcomp.planning import netsim
 from jaxcomp_bench.common import COMPUTE, LABELS, VARIANTS, header, plain, time_copy, time_update
 
@@ -167,7 +168,7 @@ def measure_traffic(factory, kwargs: dict, parts, workers: int = 8) -> dict:
     params = shp.abstract(part)
     state = jax.eval_shape(tx.init, params)
     hlo = step.lower(shp.abstract(part, lead=(workers,)), jax.tree.map(lead, state)).compile().as_text()
-    colls = hlo.runs(hlo)
+    colls = collective_runs(hlo)
     flag = _flag_bytes(tx, params)
     if flag and flag_seen and ("all-reduce", flag) in colls:
       colls.remove(("all-reduce", flag))

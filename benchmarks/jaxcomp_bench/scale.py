@@ -1,7 +1,7 @@
 """``python -m jaxcomp.bench scale``: both exchanges at N = 8 ... 1024 against dense float32 and bfloat16.
 
 For ResNet-50 and BERT-base gradient shapes, each method's collectives per
-step at N workers come from its bucket layout (:func:`jaxcomp.exchanges.scatter.traffic`,
+step at N workers come from its bucket layout (:func:`jaxcomp.traffic`,
 equal per kind to the compiled program's bytes, see ``tests/test_scatter.py``):
 with ``transport="gather"`` every worker hands one payload to an all-gather
 and receives N - 1; with ``transport="scatter"`` it hands N chunk payloads to
@@ -39,7 +39,7 @@ def rows(model: str, methods: Sequence[str] = METHODS, workers: Sequence[int] = 
   ``compress``: method -> (round trip, decode per payload) seconds (None: no compression time).
   """
   import jaxcomp
-  from jaxcomp.exchanges import scatter
+  from jaxcomp.core.accounting import traffic
   from jaxcomp_bench import shapes
 
   params = shapes.abstract(shapes.MODELS[model]())
@@ -51,13 +51,13 @@ def rows(model: str, methods: Sequence[str] = METHODS, workers: Sequence[int] = 
     rt, dec = compress.get(label, (0.0, 0.0))
     out = {}
     for n in workers:
-      colls = scatter.traffic(tx, params, n)
+      colls = traffic(tx, params, n)
       gathered = transport == "gather" and any(k == "all-gather" for k, _ in colls)
       comp = netsim.compression_time(rt, dec, n, gathered=gathered, scattered=transport == "scatter")
       for b in gbps:
         out[(n, b)] = netsim.predict(colls, netsim.flat(n, b, alpha), compute, comp,
                                      bucket_bytes=BUCKET_MB * 1e6).total
-    return out, sum(nb for _, nb in scatter.traffic(tx, params, 8))
+    return out, sum(nb for _, nb in traffic(tx, params, 8))
 
   dense, dense_bytes = price(jaxcomp.none(axis_name="data"), "none", "gather")
   half, _ = price(jaxcomp.bf16(axis_name="data"), "bf16", "gather")

@@ -58,7 +58,7 @@ def run(sizes: Sequence[int], ratios: Sequence[float], repeats: int, seed: int =
     x = jax.block_until_ready(jax.random.normal(kx, (n,), jnp.float32))
     y = jax.block_until_ready(jax.random.normal(ky, (n,), jnp.float32))
     for ratio in ratios:
-      k = _args.count(ratio, n)
+      k = _args.ratio_count(ratio, n)
       top_k = jax.jit(lambda x, k=k: lax.top_k(jnp.abs(x), k)[1])
       trimmed = jax.jit(lambda x, k=k: selection.trimmed_topk(x, k).indices)
       bsearch = jax.jit(lambda x, t, k=k: selection.threshold_binary_search(x, k, threshold=t))

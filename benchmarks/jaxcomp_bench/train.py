@@ -52,6 +52,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence
 
+from jaxcomp.collectives.hlo import runs as collective_runs
 from jaxcomp_bench import malloc
 from jaxcomp_bench.common import (
   BLOCK_EVERY,
@@ -224,7 +225,7 @@ def _run_method(name: str, factory, lr: float, momentum: float, params, ds, args
   res.wire_bytes, res.collectives = wire["total"], wire["count"]
   if method is not None:  # SBC's communication delay: one sync every `delay` steps
     res.sync_every = method.sync_every
-  res.traffic = [list(t) for t in hlo.runs(hlo)]
+  res.traffic = [list(t) for t in collective_runs(hlo)]
   try:
     res.nominal_bytes = int(jaxcomp.wire_bytes(comp, params, workers=WORKERS))
   except TypeError:
@@ -503,11 +504,11 @@ def _notes(args, cols: List[str]) -> List[str]:
   ]
   if cols:
     notes.append(
-        "pred. Nw@BG: jaxcomp.netsim's step time for N workers on a flat ring of B Gb/s links,"
+        "pred. Nw@BG: jaxcomp.planning.netsim's step time for N workers on a flat ring of B Gb/s links,"
         f" alpha {args.latency_us:g} us: the dense step measured here as compute, the method's extra"
         " step time over dense as compression, its compiled step's collectives as traffic, no overlap.")
   else:
-    notes.append("no network model: jaxcomp.netsim is not available, so bytes alone.")
+    notes.append("no network model: jaxcomp.planning.netsim is not available, so bytes alone.")
   return notes
 
 

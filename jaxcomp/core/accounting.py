@@ -63,7 +63,7 @@ def wire_bytes_by_axis(tx: Any, params: Any, dense_axis_size: int, step: int | N
   stage = len(method.stages) if step is None else method.stage_at(step)
   full = method.buckets(params, stage or 0)
   flag = NONFINITE_FLAG_BYTES if not method.carries_nonfinite(params) else 0
-  if not method.chunks:
+  if not method.can_chunk:
     return {tx.axis_name: method.wire_bytes(params, step=step, workers=workers),
             fast_name: 4 * sum(b.length for b in full),
             "both": 0}

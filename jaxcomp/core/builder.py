@@ -30,7 +30,7 @@ from jaxcomp.core import checks, layout, policy
 from jaxcomp.core.compression import CompressionTransformation, Settings, record_init
 from jaxcomp.core.groups import groups, join
 from jaxcomp.core.method import Method
-from jaxcomp.core.protocol import DENSE, CompressState, Ctx, MemoryStep
+from jaxcomp.core.protocol import DENSE, CompressState, MemoryStep, StepContext
 from jaxcomp.exchanges import hierarchy
 from jaxcomp.training import finite
 
@@ -125,7 +125,7 @@ def _check_fast_axis_bound(s: Settings) -> None:
 
 def _chunked(s: Settings) -> bool:
   """Each worker compresses its chunk of every bucket (a fast axis, a method that can be chunked)."""
-  return s.dense_axis_name is not None and s.method.chunks
+  return s.dense_axis_name is not None and s.method.can_chunk
 
 
 def _work_buckets(s: Settings, tree, stage: int = 0):
@@ -171,20 +171,20 @@ def _update(tx: CompressionTransformation, updates, state, params=None):
   fast = None if s.dense_axis_name is None else current_axis(s.dense_axis_name)
   chunks = fast is not None and buckets is not full
   key, step_key = jax.random.split(state.key)
-  ctx = Ctx(axis, step_key, state.count, state.phase)
+  ctx = StepContext(axis, step_key, state.count, state.phase)
 
   grads, bucket_params = _bucket(full, buckets, leaves, treedef, params, fast, chunks)
   x, carry = method.memory.compensate(tuple(grads), state.memory)
-  mean, local, extra = _exchange_or_warm_up(method, lambda i: _work_buckets(s, updates, i), x,
+  mean, sent, extra = _exchange_or_warm_up(method, lambda i: _work_buckets(s, updates, i), x,
                                             state.extra, ctx, bucket_params)
-  local = [jnp.where(b.segments.valid(), v, 0.0) if b.segments.has_pads else v
-           for b, v in zip(buckets, local)]
+  sent = [jnp.where(b.segments.valid(), v, 0.0) if b.segments.has_pads else v
+           for b, v in zip(buckets, sent)]
   # chunks: a NaN lands in one worker's chunk, so the flag goes over both axes
   flag_axis = Axis(axis_names(s.axis_name) + axis_names(s.dense_axis_name), 0, axis.index) \
       if chunks else axis
-  mean, local, extra = _guard_nonfinite(method.carries_nonfinite(updates), x, mean, local, extra,
+  mean, sent, extra = _guard_nonfinite(method.carries_nonfinite(updates), x, mean, sent, extra,
                                         state, flag_axis, chunks)
-  memory = _remember(method, x, local, mean, state.memory, buckets, ctx, carry)
+  memory = _remember(method, x, sent, mean, state.memory, buckets, ctx, carry)
   out = method.memory.output(tuple(mean), state.memory, memory)
   if chunks:  # every worker's mean chunk, back in whole buckets (fast axis)
     out = hierarchy.all_gather(out, full, fast)
@@ -215,14 +215,14 @@ def _bucket_params(buckets, treedef, params):
   return [layout.pack([b], leaves)[0] if w else None for b, w in zip(buckets, wanted)]
 
 
-def _remember(method: Method, x, local, mean, memory, buckets, ctx: Ctx, carry=None):
+def _remember(method: Method, x, sent, mean, memory, buckets, ctx: StepContext, carry=None):
   """The memory's new state: what was not sent."""
   dense_step = ctx.count < method.start_step if method.start_step > 0 else None
   step = MemoryStep(buckets=buckets, mean=tuple(mean), carry=carry, dense_step=dense_step)
-  return method.memory.update(tuple(x), tuple(local), memory, step)
+  return method.memory.update(tuple(x), tuple(sent), memory, step)
 
 
-def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: Ctx, params):
+def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: StepContext, params):
   """The exchanges of the step's stage, or before ``method.start_step`` the dense mean (all sent).
 
   One compiled program holds every stage: ``lax.switch`` on the step count.
@@ -235,8 +235,8 @@ def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: Ctx, params)
     buckets = layout_of(i)
 
     def compressed(x, extras):
-      mean, local, extra = _exchange_all(method, buckets, list(x), extras, ctx, params)
-      return list(mean), list(local), list(extra)
+      mean, sent, extra = _exchange_all(method, buckets, list(x), extras, ctx, params)
+      return list(mean), list(sent), list(extra)
 
     return compressed
 
@@ -250,8 +250,8 @@ def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: Ctx, params)
   return lax.switch(index, branches, tuple(x), tuple(extras))
 
 
-def _exchange_all(method: Method, buckets, x, extras, ctx: Ctx, params):
-  """Each bucket's exchange (or the method's fused exchange): lists of mean, local, extra."""
+def _exchange_all(method: Method, buckets, x, extras, ctx: StepContext, params):
+  """Each bucket's exchange (or the method's fused exchange): lists of mean, sent, extra."""
   if method.fused is None:
     results = [b.exchange.exchange(xb, b.segments, e, ctx._replace(key=jax.random.fold_in(ctx.key, i),
                                                                    params=p))
@@ -260,7 +260,7 @@ def _exchange_all(method: Method, buckets, x, extras, ctx: Ctx, params):
   return _exchange_fused(method, buckets, x, extras, ctx)
 
 
-def _exchange_fused(method: Method, buckets, x, extras, ctx: Ctx):
+def _exchange_fused(method: Method, buckets, x, extras, ctx: StepContext):
   """Every group of every bucket through the method's fused exchange, then back into buckets."""
   plan, xs, states, where = [], [], [], []
   for i, (b, xb) in enumerate(zip(buckets, x)):
@@ -271,14 +271,14 @@ def _exchange_fused(method: Method, buckets, x, extras, ctx: Ctx):
       where.append((i, idx))
   fused = method.fused(plan, xs, tuple(states), ctx)
   mean = [[None] * b.segments.count for b in buckets]
-  local = [[None] * b.segments.count for b in buckets]
+  sent = [[None] * b.segments.count for b in buckets]
   new_extra = [[] for _ in buckets]
   for (i, idx), (m, loc, e) in zip(where, fused):
     new_extra[i].append(e)
     for j, s in enumerate(idx):
-      mean[i][s], local[i][s] = m[j].reshape(-1), loc[j].reshape(-1)
+      mean[i][s], sent[i][s] = m[j].reshape(-1), loc[j].reshape(-1)
   return ([join(m, b.segments) for m, b in zip(mean, buckets)],
-          [join(loc, b.segments) for loc, b in zip(local, buckets)],
+          [join(loc, b.segments) for loc, b in zip(sent, buckets)],
           [tuple(e) for e in new_extra])
 
 
@@ -296,7 +296,7 @@ def _nan_if_nonfinite(vectors) -> jax.Array:
   return jnp.where(ok, 0.0, jnp.nan).astype(jnp.float32)
 
 
-def _guard_nonfinite(carried, x, mean, local, extra, state, axis, chunks=False):
+def _guard_nonfinite(carried, x, mean, sent, extra, state, axis, chunks=False):
   """A non-finite step: NaN output on every worker, nothing counted as sent, exchange state kept.
 
   ``carried``: every exchange of every stage carries NaN/Inf into the mean.
@@ -307,13 +307,13 @@ def _guard_nonfinite(carried, x, mean, local, extra, state, axis, chunks=False):
   """
   stateless = not jax.tree.leaves((state.memory, state.extra))
   if not x or (carried and stateless):  # exactly the exchanges' mean (lax.pmean; chunks: all-gathered)
-    return mean, local, extra
+    return mean, sent, extra
   if carried and not chunks:  # the exchanges put any NaN/Inf into the mean
     bad = jnp.isnan(_nan_if_nonfinite(mean))
   else:
     bad = jnp.isnan(ops.allreduce_sum(_nan_if_nonfinite(x), axis))
   mean = [jnp.where(bad, jnp.nan, m) for m in mean]
-  local = [jnp.where(bad, 0.0, v) for v in local]
+  sent = [jnp.where(bad, 0.0, v) for v in sent]
   extra = [jax.tree.map(lambda new, old: jnp.where(bad, old, new), e, e0)
            for e, e0 in zip(extra, state.extra)]
-  return mean, local, extra
+  return mean, sent, extra

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.core import layout
-from jaxcomp.core.protocol import Ctx, Exchange
+from jaxcomp.core.protocol import Exchange, StepContext
 
 STACK_MAX = 1 << 16  # segments with more entries than this are not stacked, see groups()
 
@@ -52,7 +52,7 @@ class GroupExchange(Exchange):
     return ()
 
   @abc.abstractmethod
-  def __call__(self, X, extra, ctx: Ctx):
+  def __call__(self, X, extra, ctx: StepContext):
     """``(mean, local, extra)`` for the stack ``X``."""
 
   @abc.abstractmethod
@@ -66,7 +66,7 @@ class GroupExchange(Exchange):
   def bucket_wire_bytes(self, segs: layout.Segments, workers: int | None = None) -> int:
     return sum(self.wire_bytes(view, len(idx)) for view, idx in groups(segs))
 
-  def exchange(self, x, segs: layout.Segments, extra, ctx: Ctx):
+  def exchange(self, x, segs: layout.Segments, extra, ctx: StepContext):
     mean, local = [None] * segs.count, [None] * segs.count
     new_extra = []
     for g, ((view, idx), ex_state) in enumerate(zip(groups(segs), extra)):
@@ -98,7 +98,7 @@ class FusedExchange(abc.ABC):
     return tuple(() for _ in groups(segs))
 
   @abc.abstractmethod
-  def __call__(self, groups, xs, extras, ctx: Ctx):
+  def __call__(self, groups, xs, extras, ctx: StepContext):
     """One ``(mean, local, extra)`` per group."""
 
   @abc.abstractmethod

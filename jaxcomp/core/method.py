@@ -82,7 +82,7 @@ class Method:
     return sum(step >= first for first, _ in self.stages)
 
   @property
-  def chunks(self) -> bool:
+  def can_chunk(self) -> bool:
     """Whether the buckets can be cut into chunks (no fused exchange, no exchange that reads leaf shapes)."""
     return self.fused is None and self.chunkable
 

@@ -64,7 +64,7 @@ class CompressState(NamedTuple):
   phase: jax.Array
 
 
-class Ctx(NamedTuple):
+class StepContext(NamedTuple):
   """What an exchange sees besides its bucket: the axis, a shared key, the step."""
 
   axis: Axis
@@ -266,7 +266,7 @@ class Exchange(abc.ABC):
     return ()
 
   @abc.abstractmethod
-  def exchange(self, x: jax.Array, segs: layout.Segments, extra: Any, ctx: Ctx):
+  def exchange(self, x: jax.Array, segs: layout.Segments, extra: Any, ctx: StepContext):
     """``(mean, local, extra)`` for the bucket ``x``."""
 
   @abc.abstractmethod
@@ -292,7 +292,7 @@ class CodecExchange(Exchange):
   def all_reduces(self) -> bool:
     return self.codec.linear
 
-  def exchange(self, x, segs, extra, ctx: Ctx):
+  def exchange(self, x, segs, extra, ctx: StepContext):
     codec = self.codec
     enc_key = ctx.key if codec.shared_key else jax.random.fold_in(ctx.key, ctx.axis.index)
     dec_key = enc_key if codec.shared_key else ctx.key

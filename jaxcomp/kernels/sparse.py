@@ -24,7 +24,7 @@ from jaxcomp.transforms import _args
 
 def segment_caps(ratio: float, segs: Segments) -> np.ndarray:
   """Slots per segment, ``max(1, ceil(ratio * n))`` (int64 (S,))."""
-  return np.asarray([_args.count(ratio, n) for n in segs.sizes], np.int64)
+  return np.asarray([_args.ratio_count(ratio, n) for n in segs.sizes], np.int64)
 
 
 def select(mask: jax.Array, segs: Segments, caps, key: jax.Array, word: int = 0):

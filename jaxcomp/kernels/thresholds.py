@@ -32,7 +32,7 @@ def sample_size(n: int, sample_ratio: float) -> int:
   """
   if n <= EXACT_MAX:
     return n
-  return min(n, max(_args.count(sample_ratio, n), MIN_SAMPLE))
+  return min(n, max(_args.ratio_count(sample_ratio, n), MIN_SAMPLE))
 
 
 def target(ratio, m) -> jax.Array:
@@ -73,7 +73,7 @@ def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, 
   starts = (np.cumsum(rows) - rows) * MIN_SAMPLE
   sample_segs = Segments(tuple(int(o) for o in starts), tuple(int(m) for m in s),
                          tuple((int(m),) for m in s), MIN_SAMPLE)
-  ks_max = np.asarray([_args.count(max_ratio, m) for m in s], np.int32)
+  ks_max = np.asarray([_args.ratio_count(max_ratio, m) for m in s], np.int32)
   if among_nonzero:  # the nonzero entries of each sample
     pool = compaction.run_sums(jnp.sum(bits.reshape(-1, MIN_SAMPLE) >= 1, axis=1, dtype=jnp.int32), rows)
   else:

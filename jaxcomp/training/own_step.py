@@ -208,7 +208,7 @@ def on_shards(tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any, ax
 
 
 def has_local_steps(tx: optax.GradientTransformation, mesh: Mesh, specs: Any, params: Any) -> bool:
-  """Whether ``tx``'s state holds a :class:`jaxcomp.diloco.DiLoCoState`: replicas that differ between syncs.
+  """Whether ``tx``'s state holds a :class:`jaxcomp.DiLoCoState`: replicas that differ between syncs.
 
   Read from the state's structure (``jax.eval_shape`` of ``tx.init`` inside the mesh), so an optimizer
   wrapped in any optax wrapper is found.

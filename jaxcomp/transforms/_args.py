@@ -65,7 +65,7 @@ def choice(name: str, value, allowed) -> str:
   return value
 
 
-def count(ratio_value: float, n: int) -> int:
+def ratio_count(ratio_value: float, n: int) -> int:
   """k = max(1, ceil(ratio * n)), robust to float noise (0.01 * 100 -> 1)."""
   return max(1, min(n, int(math.ceil(ratio_value * n - 1e-9))))
 

@@ -17,7 +17,7 @@ from jax import lax
 
 from jaxcomp.collectives import ops
 from jaxcomp.core.groups import FusedExchange, GroupExchange
-from jaxcomp.core.protocol import DENSE, Ctx
+from jaxcomp.core.protocol import DENSE, StepContext
 from jaxcomp.transforms.lowrank import (
   keep_nonzero_columns,
   orthogonalize_all,
@@ -48,7 +48,7 @@ class ACPFactors(GroupExchange):
   def _alone(self, view, group):
     return ACPFusion(), [(self, tuple(view), list(range(group)))]
 
-  def __call__(self, X, extra, ctx: Ctx):
+  def __call__(self, X, extra, ctx: StepContext):
     fusion, groups = self._alone(X.shape[1:], X.shape[0])
     return fusion(groups, [X], (extra,), ctx)[0]
 
@@ -288,7 +288,7 @@ class ACPFusion(FusedExchange):
         got.setdefault(g, []).append((i0, buf[start:start + (i1 - i0) * size].reshape(i1 - i0, -1)))
     return {g: _in_order(v).reshape(xs[g].shape) for g, v in got.items()}
 
-  def __call__(self, groups, xs, extras, ctx: Ctx):
+  def __call__(self, groups, xs, extras, ctx: StepContext):
     buckets = self.layout(groups)
     num = ctx.axis.size
     even = ctx.phase % 2 == 0  # phase wraps at 2^32 (even): the alternation never stops

@@ -13,7 +13,7 @@ from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core.builder import build
 from jaxcomp.core.layout import Segments
 from jaxcomp.core.method import Method
-from jaxcomp.core.protocol import DENSE, Codec, CodecExchange, Ctx, Memory, flat_route
+from jaxcomp.core.protocol import DENSE, Codec, CodecExchange, Memory, StepContext, flat_route
 from jaxcomp.transforms import _args
 
 
@@ -98,7 +98,7 @@ class ScaledCastExchange(CodecExchange):
     """``t`` of :class:`ScaledCastExchange` from the all-reduced exponents ``b`` (int32 (S,))."""
     return jnp.clip(126 + FP16_TOP - b, -113, 126)
 
-  def exchange(self, x, segs, extra, ctx: Ctx):
+  def exchange(self, x, segs, extra, ctx: StepContext):
     num = ctx.axis.size
     b = max_exponent(x, segs)
     if ctx.axis.name is not None:

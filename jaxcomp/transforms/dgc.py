@@ -63,7 +63,7 @@ from jaxcomp.core.builder import build
 from jaxcomp.core.layout import Segments
 from jaxcomp.core.memories import DGCMemory
 from jaxcomp.core.method import Method
-from jaxcomp.core.protocol import Codec, Ctx, Exchange, flat_route
+from jaxcomp.core.protocol import Codec, Exchange, StepContext, flat_route
 from jaxcomp.core.rebuild import staged
 from jaxcomp.core.warmup import warmup_stages
 from jaxcomp.exchanges.scatter import ScatterCodec, ScatterForm
@@ -104,7 +104,7 @@ def warmup_schedule(ratio: float, warmup_steps: int, stages: int = 4) -> Schedul
 
 def capacity(n: int, max_ratio: float) -> int:
   """Payload slots for a leaf of n entries: ``ceil(1.3 * max_ratio * n)``, at most n."""
-  return _args.count(min(1.0, CAPACITY_FACTOR * max_ratio), n)
+  return _args.ratio_count(min(1.0, CAPACITY_FACTOR * max_ratio), n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ class DGCExchange(Exchange, ScatterForm):
   def init_bucket(self, segs, key):
     return ()
 
-  def exchange(self, x, segs, extra, ctx: Ctx):
+  def exchange(self, x, segs, extra, ctx: StepContext):
     n = segs.length
     payload = self.encode(x, jax.random.fold_in(ctx.key, ctx.axis.index), self.ratio(ctx.count), segs)
     local = sparse_decode(*payload, n)
@@ -152,7 +152,7 @@ class DGCExchange(Exchange, ScatterForm):
   def bucket_wire_bytes(self, segs, workers=None):
     return sparse_bytes(segs.length, int(self.caps(segs).sum()))
 
-  def scatter_codec(self, ctx: Ctx | None) -> "DGCCodec":
+  def scatter_codec(self, ctx: StepContext | None) -> "DGCCodec":
     """This step's selection as a codec, for ``transport="scatter"`` (``ctx`` None: for sizes only)."""
     return DGCCodec(self, self.max_ratio if ctx is None else self.ratio(ctx.count))
 

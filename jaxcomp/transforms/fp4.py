@@ -188,7 +188,7 @@ class ChunkedLowBitTopKCodec(Codec, ScatterCodec):
 
   def _layout(self, n: int):
     b = min(self.chunk, n)
-    return b, -(-n // b), _args.count(self.density, b)
+    return b, -(-n // b), _args.ratio_count(self.density, b)
 
   def _values(self, v):
     if self.bits == 32:

@@ -16,7 +16,7 @@ from jaxcomp.core import layout
 from jaxcomp.core.builder import build
 from jaxcomp.core.groups import GroupExchange
 from jaxcomp.core.method import Method
-from jaxcomp.core.protocol import DENSE, Ctx, Exchange, Memory
+from jaxcomp.core.protocol import DENSE, Exchange, Memory, StepContext
 from jaxcomp.transforms import _args
 
 
@@ -280,7 +280,7 @@ class PowerSGDExchange(Exchange):
   def bucket_wire_bytes(self, segs, workers=None):
     return sum(self.wire_bytes(view, len(idx)) for view, idx in _view_groups(segs))
 
-  def _compressed(self, x, segs, Q, ctx: Ctx):
+  def _compressed(self, x, segs, Q, ctx: StepContext):
     groups = _view_groups(segs)
     axis = ctx.axis
     Xs = [_stack(x, segs, view, idx) for view, idx in groups]
@@ -298,7 +298,7 @@ class PowerSGDExchange(Exchange):
                   for new, old in zip(Qts, self.warm_start(segs, Q))])
     return M, M, jnp.where(jnp.all(jnp.isfinite(Qn)), kept, Q)  # a NaN step must not poison the warm start
 
-  def exchange(self, x, segs, extra, ctx: Ctx):
+  def exchange(self, x, segs, extra, ctx: StepContext):
     return self._compressed(x, segs, extra, ctx)
 
 

@@ -14,7 +14,7 @@ from jaxcomp.core.builder import build
 from jaxcomp.core.layout import Segments
 from jaxcomp.core.memories import MomentumCorrection
 from jaxcomp.core.method import Method
-from jaxcomp.core.protocol import Codec, Ctx, Exchange, Memory, flat_route
+from jaxcomp.core.protocol import Codec, Exchange, Memory, StepContext, flat_route
 from jaxcomp.exchanges.scatter import ScatterCodec, ScatterForm
 from jaxcomp.kernels import compaction, selection
 from jaxcomp.kernels.sparse import scatter_mean
@@ -47,7 +47,7 @@ class RedSyncExchange(Exchange, ScatterForm):
   block = BLOCK
 
   def ks(self, segs: Segments) -> np.ndarray:
-    return np.asarray([_args.count(self.ratio, n) for n in segs.sizes], np.int64)
+    return np.asarray([_args.ratio_count(self.ratio, n) for n in segs.sizes], np.int64)
 
   def caps(self, segs: Segments) -> np.ndarray:
     """Slots per leaf: ``min(n, 2k)`` for the binary search, ``k`` for the exact top-k."""
@@ -103,12 +103,12 @@ class RedSyncExchange(Exchange, ScatterForm):
     values, idx = self.values(payload, segs)
     return jnp.zeros((segs.length,), jnp.float32).at[idx.astype(jnp.int32)].add(values)
 
-  def scatter_codec(self, ctx: Ctx | None) -> "RedSyncCodec":
+  def scatter_codec(self, ctx: StepContext | None) -> "RedSyncCodec":
     """The selection as a codec, for ``transport="scatter"`` (a fresh binary search per chunk)."""
     del ctx
     return RedSyncCodec(self)
 
-  def exchange(self, x, segs, thresholds, ctx: Ctx):
+  def exchange(self, x, segs, thresholds, ctx: StepContext):
     payload, found = self.encode(x, segs, thresholds if self.selection == "binary_search" else None)
     if self.selection == "binary_search":
       thresholds = jnp.where(jnp.isfinite(found), found, 0.0)

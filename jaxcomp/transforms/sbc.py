@@ -92,7 +92,7 @@ from jaxcomp.core import layout, policy
 from jaxcomp.core.builder import build
 from jaxcomp.core.compression import compressed_optimizer
 from jaxcomp.core.method import Method
-from jaxcomp.core.protocol import Ctx, Exchange, Memory, flat_route
+from jaxcomp.core.protocol import Exchange, Memory, StepContext, flat_route
 from jaxcomp.kernels import binarize, compaction
 from jaxcomp.kernels.sparse import scatter_mean
 from jaxcomp.transforms import _args
@@ -141,7 +141,7 @@ class SBCExchange(Exchange):
 
   def sizes(self, segs: layout.Segments):
     """``(k, b, capacity_bits)`` of a bucket: ``k`` per segment (numpy), the stream's ``b`` and capacity."""
-    k = np.asarray([_args.count(self.sparsity, n) for n in segs.sizes], np.int64)
+    k = np.asarray([_args.ratio_count(self.sparsity, n) for n in segs.sizes], np.int64)
     b = golomb.golomb_b_star(self.sparsity)
     worst = golomb.max_stream_bits(int(k.sum()), segs.length, b)
     if self.capacity is None:
@@ -217,7 +217,7 @@ class SBCExchange(Exchange):
     values = gathered.payloads()[0]  # one float32 per segment and worker
     return jnp.where(jnp.all(jnp.isfinite(values)), mean, jnp.nan)
 
-  def _exchange_sent(self, a, segs, ctx: Ctx):
+  def _exchange_sent(self, a, segs, ctx: StepContext):
     """Every worker sends its binarized ``a``: (mean of what was sent, what this worker sent)."""
     payload, local = self._encode(a, segs)
     if ctx.axis.name is None:
@@ -225,7 +225,7 @@ class SBCExchange(Exchange):
     gathered = ops.allgather_payload(payload, ctx.axis)
     return self._mean(gathered, segs, ctx.axis.size), local
 
-  def _sync(self, x, segs, state: SBCState, ctx: Ctx, params, anchor):
+  def _sync(self, x, segs, state: SBCState, ctx: StepContext, params, anchor):
     if params is None:  # delay=1: every worker is at the last sync point
       a = state.residual + x
     else:
@@ -237,7 +237,7 @@ class SBCExchange(Exchange):
     target = anchor + mean  # the next sync point, the same bits on every worker
     return target - params, local, SBCState(target, residual, jnp.ones((), jnp.bool_))
 
-  def exchange(self, x, segs, extra, ctx: Ctx):
+  def exchange(self, x, segs, extra, ctx: StepContext):
     if self.delay == 1:
       return self._sync(x, segs, extra, ctx, None, None)
     params = ctx.params

@@ -109,8 +109,8 @@ class TopKCodec(Codec, ScatterCodec):
 
   def _k(self, segs: Segments) -> np.ndarray:
     if self.scope == "layer":
-      return np.asarray([_args.count(self.ratio, n) for n in segs.sizes], np.int64)
-    return np.asarray([_args.count(self.ratio, sum(segs.sizes))], np.int64)
+      return np.asarray([_args.ratio_count(self.ratio, n) for n in segs.sizes], np.int64)
+    return np.asarray([_args.ratio_count(self.ratio, sum(segs.sizes))], np.int64)
 
   def _chunked(self, n: int) -> bool:
     return self.positions == "chunk16" and n > CHUNK
@@ -156,7 +156,7 @@ class ChunkedTopKCodec(Codec, ScatterCodec):
 
   def _layout(self, n: int):
     b = min(self.chunk, n)
-    return b, -(-n // b), _args.count(self.ratio, b)
+    return b, -(-n // b), _args.ratio_count(self.ratio, b)
 
   def encode(self, x, key, segs):
     n = x.shape[0]
@@ -291,7 +291,7 @@ def random_positions(key: jax.Array, segs: Segments, ratio: float):
 def _strata(segs: Segments, ratio: float):
   starts, lengths = [], []
   for off, n in zip(segs.offsets, segs.sizes):
-    k = _args.count(ratio, n)
+    k = _args.ratio_count(ratio, n)
     edges = (np.arange(k + 1, dtype=np.int64) * n) // k
     starts.append(off + edges[:-1])
     lengths.append(np.diff(edges))

@@ -195,7 +195,7 @@ class AdaQCodec(Codec, ScatterCodec):
     if isinstance(segs, Segments):
       n, slots = segs.length, int(segment_caps(self.capacity, segs).sum())
     else:
-      n, slots = int(segs), _args.count(self.capacity, int(segs))
+      n, slots = int(segs), _args.ratio_count(self.capacity, int(segs))
     index_bits = 8 * np.dtype(_args.index_dtype(n)).itemsize
     return 8 * packing.packed_size(n, 2) <= slots * index_bits + 32
 
