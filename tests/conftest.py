@@ -18,21 +18,36 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
 
-# The tests' trees are small (a 3x3x4x8 kernel, a 40x24 matrix, a bias, a
-# scalar) so that every codec runs on every kind of leaf; with the library's
-# default policy (leaves under 1024 entries travel dense) most of them would
-# not be compressed at all. Factories read this default when they are called;
-# tests/test_layout.py checks the default policy itself.
-import jaxcomp.core.layout  # noqa: E402
+import jaxcomp.core.policy  # noqa: E402
 
-DEFAULT_MIN_SIZE = jaxcomp.core.policy.MIN_SIZE
-jaxcomp.core.policy.MIN_SIZE = 1
+DEFAULT_MIN_SIZE = jaxcomp.core.policy.MIN_SIZE  # the library's policy, which every test runs under
 
 
 import gc  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+@pytest.fixture
+def every_leaf(monkeypatch):
+  """Compress every leaf (``min_size`` 1) in a test whose trees are small on purpose.
+
+  The tests' trees are small (a 3x3x4x8 kernel, a 40x24 matrix, a bias, a scalar) so that every
+  codec runs on every kind of leaf; under the library's default policy (leaves under 1024 entries
+  travel dense) most of them would not be compressed at all. A module or test that needs the
+  codec on every leaf says so (``pytest.mark.usefixtures("every_leaf")``); every other test runs
+  the defaults users get, and tests/test_layout.py checks the policy itself.
+  """
+  monkeypatch.setattr(jaxcomp.core.policy, "MIN_SIZE", 1)
+
+
+@pytest.fixture(scope="module")
+def every_leaf_module():
+  """:func:`every_leaf` for a whole module (hypothesis tests take no function-scoped fixture)."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(jaxcomp.core.policy, "MIN_SIZE", 1)
+    yield
 
 
 @pytest.fixture(autouse=True, scope="module")

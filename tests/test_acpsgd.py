@@ -24,6 +24,8 @@ from jaxcomp.core.groups import groups
 from jaxcomp.transforms.acpsgd import phases
 from jaxcomp.transforms.lowrank import PowerSGDExchange
 
+pytestmark = pytest.mark.usefixtures("every_leaf_module")  # small trees on purpose: compress every leaf
+
 RANK = 2
 
 

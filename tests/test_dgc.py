@@ -199,6 +199,7 @@ def test_pmap_equals_shard_map_and_wire_bytes(name):
   harness.check_pmap_equals_shard_map(tx, params)
 
 
+@pytest.mark.usefixtures("every_leaf")  # its trees are small on purpose: compress every leaf
 def test_nominal_bytes_per_method():
   params = {"big": jnp.zeros((1000,), jnp.float32)}  # uint16 indices
   n = 1000

@@ -146,6 +146,7 @@ def test_fragments_are_balanced_strided_for_equal_leaves_and_sync_at_their_offse
   assert sum(dense) == jaxcomp.wire_bytes(tx, params)  # a period sends a full sync's bytes, in thirds
 
 
+@pytest.mark.usefixtures("every_leaf")  # its trees are small on purpose: compress every leaf
 def test_fp4_round_trip_bound_grid_and_wire_bytes():
   """E2M1 with a power-of-two scale per 32: grid values return exactly, the error is at most 2**e
   (a fifth of |x| where |x| >= 2**e), and wire_bytes is n/2 + n/32 (measured from the compiled step)."""

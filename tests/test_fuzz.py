@@ -42,6 +42,8 @@ from hypothesis import strategies as st
 import jaxcomp
 from jaxcomp.core.protocol import Memory
 
+pytestmark = pytest.mark.usefixtures("every_leaf_module")  # small trees on purpose: compress every leaf
+
 NAMES = sorted(jaxcomp.METHODS)
 
 BAD_VALUES = [

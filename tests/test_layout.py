@@ -57,6 +57,7 @@ def test_a_tree_mostly_sent_dense_warns_once_at_init(monkeypatch):
     jaxcomp.qsgd(axis_name=AXIS).init({"w": jnp.zeros((200, 30)), "b": jnp.zeros((30,))})  # mostly compressed
 
 
+@pytest.mark.usefixtures("every_leaf")  # its trees are small on purpose: compress every leaf
 def test_buckets_hold_at_most_bucket_bytes_in_reverse_order():
   tx = jaxcomp.signsgd(bucket_bytes=4 * 1500)
   buckets = tx.method.buckets(_tree())

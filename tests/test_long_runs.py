@@ -17,6 +17,7 @@ from jaxcomp_bench import longrun
 STEPS = 2000
 
 
+@pytest.mark.usefixtures("every_leaf")  # its trees are small on purpose: compress every leaf
 @pytest.mark.slow
 @pytest.mark.parametrize("name", longrun.SUBSET)
 def test_long_run_keeps_its_promises(name):

@@ -22,6 +22,8 @@ from jaxcomp.core.layout import Segments
 from jaxcomp.transforms import sparse
 from jaxcomp.transforms.lowrank import PowerSGDExchange
 
+pytestmark = pytest.mark.usefixtures("every_leaf_module")  # small trees on purpose: compress every leaf
+
 
 def _np(tree):
   return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)

@@ -26,6 +26,8 @@ from harness import (
 import jaxcomp
 from jaxcomp.core.protocol import Memory
 
+pytestmark = pytest.mark.usefixtures("every_leaf_module")  # small trees on purpose: compress every leaf
+
 METHODS = sorted(jaxcomp.METHODS)
 
 

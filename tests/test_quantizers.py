@@ -41,6 +41,8 @@ from jaxcomp.transforms.sign import OneBitCodec, ScaledSignCodec, SignCodec
 from jaxcomp.transforms.sketchml import SketchCodec, sample_positions
 from jaxcomp.transforms.u8bit import U8bitCodec, dettmers_table
 
+pytestmark = pytest.mark.usefixtures("every_leaf_module")  # small trees on purpose: compress every leaf
+
 KEY = jax.random.PRNGKey(42)
 
 

@@ -78,6 +78,7 @@ def _check(tx, invariant, pow2_only=False):
     assert worst <= tol, f"scale {c:g}: worst relative error {worst:.3g} (tolerance {tol:g})"
 
 
+@pytest.mark.usefixtures("every_leaf")  # its trees are small on purpose: compress every leaf
 @pytest.mark.parametrize("name", sorted(jaxcomp.METHODS))
 def test_every_method_is_scale_equivariant(name):
   _check(jaxcomp.METHODS[name](axis_name=AXIS), name in INVARIANT, name in POW2_ONLY)
@@ -119,6 +120,7 @@ def test_adam_type_optimizers_are_scale_invariant(name, var_floor):
     assert worst <= tol, f"{name} at scale {c:g}: worst relative error {worst:.3g} (tolerance {tol:g})"
 
 
+@pytest.mark.usefixtures("every_leaf")  # its trees are small on purpose: compress every leaf
 def test_sign_outputs_do_not_depend_on_scale_at_all():
   """The invariant set is exact: signsgd's output at 1e-7 is its output at 1 (no rounding involved)."""
   tx = jaxcomp.signsgd(axis_name=AXIS)

@@ -142,6 +142,7 @@ def test_fp16_does_not_overflow_and_carries_nan():
   assert np.all(np.isfinite(np.delete(o.reshape(W, -1), [0, 3 * 24 + 5], axis=1)))
 
 
+@pytest.mark.usefixtures("every_leaf")  # its trees are small on purpose: compress every leaf
 def test_fp16_wire_bytes_count_the_exponents():
   params = {"w": jnp.zeros((40, 24)), "b": jnp.zeros((24,)), "k": jnp.zeros((3, 3, 4, 8))}
   tx = _tx("fp16")
@@ -195,6 +196,7 @@ def test_threshold_absolute_form_is_one_argument_away():
 # INCEPTIONN: the bound relative to each leaf's largest value
 
 
+@pytest.mark.usefixtures("every_leaf")  # its trees are small on purpose: compress every leaf
 def test_inceptionn_relative_bound_keeps_small_gradients():
   """Gradients of 1e-4: the old absolute bound rounded every value to 0; the relative bound's
   error is at most 2**-10 of each leaf's largest value, with room for every value."""

@@ -32,6 +32,8 @@ from jaxcomp.core.protocol import Memory
 from jaxcomp.exchanges.scatter import ScatterCodec, ScatterExchange
 from jaxcomp.training import checkpoint
 
+pytestmark = pytest.mark.usefixtures("every_leaf_module")  # small trees on purpose: compress every leaf
+
 NO_SCATTER = ("powersgd", "acpsgd", "sbc")  # all-reduced factors; SBC's sync schedule and Golomb stream
 PSUMMED = ("none", "fp16", "bf16", "randomk")  # already one all-reduce: unchanged
 VOTES = ("signsgd", "signum")  # the output is a majority vote, not the mean of the sent signs

@@ -15,6 +15,8 @@ from harness import check_against, run_steps, small_params, step_grads
 
 import jaxcomp
 
+pytestmark = pytest.mark.usefixtures("every_leaf_module")  # small trees on purpose: compress every leaf
+
 N, AXIS = harness.N, harness.AXIS
 
 

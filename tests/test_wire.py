@@ -91,6 +91,7 @@ def test_unpack_rejects_non_uint8_words():
 # ----------------------------------------------------------------------------- bytes of every method
 
 
+@pytest.mark.usefixtures("every_leaf")  # its trees are small on purpose: compress every leaf
 @pytest.mark.slow
 def test_every_method_sends_its_nominal_bytes():
   """All of METHODS at defaults: measured HLO bytes of the pmap step == wire_bytes."""
