@@ -4,7 +4,7 @@ The state is donated; a memory whose new state is written from a fusion that XLA
 after every reader of the old state (the encode, fused with ``compensate``; the output) makes
 XLA keep a copy of each of its buckets: a bucket-sized copy per step (Signum's momentum, DGC's
 u and v, EF21's shared estimate and EF21-SGDM's velocity did, 97-195 MiB a step on ResNet-50's
-gradients). ``protocol.zero_after`` and ``Memory.carries`` are how the memories avoid it.
+gradients). ``protocol.zero_after`` and ``MemoryStep.carry`` are how the memories avoid it.
 """
 
 import re

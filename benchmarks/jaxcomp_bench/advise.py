@@ -1,35 +1,15 @@
 """``python -m jaxcomp.bench advise``: every method ranked by its predicted step on a given network.
 
-For a model (ResNet-50, BERT-base, one chip's shard of a Llama-3-8B-shaped
-model, or any parameter tree through :func:`advise`) and a network (``workers``
-on links of ``gbps`` each, ``latency_us`` per message), each method's row holds:
-
-- **bytes**: what one worker sends per step, from the bucket layout and the
-  codecs' payload shapes (``jaxcomp.traffic``, no compile; ACP-SGD's fused
-  exchange: its nominal ``jaxcomp.wire_bytes`` as one all-reduce; SBC's bytes
-  over its ``delay``);
-- **communication**: the ring alpha-beta model of those collectives
-  (:mod:`jaxcomp.planning.netsim`);
-- **compression**: the encode + decode round trip measured by ``python -m
-  jaxcomp.bench kernels --json PATH`` on a device (``kernels=``; default: the
-  bundled table of one H200, ``data/kernels_h200.json``), the method's time
-  beyond the dense update's, scaled by the number of values; a gathered
-  method's decodes of the other workers' payloads are not in it;
-- **compute**: stated per model (``--compute-ms`` overrides);
-- **fidelity**: the share of the suite's runs (``python -m jaxcomp.bench
-  suite``: five tasks, both horizons, batches and transports) in which the
-  method's recipe met its target against dense, with SGD and with AdamW
-  (``data/fidelity.json``, read from the tables of docs/recipes.md).
-
-The step is ``compute + compression + communication`` (no overlap; ``--overlap``
-hides communication behind backprop). DiLoCo rows send the dense float32
-all-reduce once every ``H`` steps (``diloco H=16``, ``H=64``); their fidelity
-is not in the suite and reads ``-``. It prints one ranked table per bandwidth
-and draws one figure: suite pass rate against predicted step time, a panel
-per bandwidth, every point labelled, the Pareto frontier drawn, dense float32
-and bfloat16 marked.
+For a model (ResNet-50, BERT-base, one chip's shard of a Llama-3-shaped model)
+and a network (``--workers`` on links of ``--gbps`` each, ``--latency-us`` per
+message, or two levels with ``--per-node``), the rows of
+:func:`jaxcomp.planning.advise.advise` (bytes, communication, compression,
+fidelity: see that module) with the model's compute per step (stated per model;
+``--compute-ms`` overrides). DiLoCo rows read ``-`` for fidelity (not in the
+suite). It prints one ranked table per bandwidth and draws one figure: suite
+pass rate against predicted step time, a panel per bandwidth, every point
+labelled, the Pareto frontier drawn, dense float32 and bfloat16 marked.
 """
-
 from __future__ import annotations
 
 import argparse

@@ -3,8 +3,7 @@
 XLA:CPU allocates each execution's temporaries in one block, far above glibc
 malloc's largest mmap threshold (32 MiB), so by default every call of a
 compiled step maps fresh pages and the kernel zeroes each one on first touch
-(measured: fp16's ResNet-50 update took 45,665 minor page faults per step,
-72 ms against 29 ms without them; a copy of the same gradients none). GPU and
+(docs/benchmarks.md "Design measurements": fp16's update more than doubled). GPU and
 TPU runtimes keep their memory in a caching allocator, and the speed issue's
 first measurement ran both sides under jemalloc. :data:`CACHING` makes glibc
 malloc do the same: one arena grown by ``brk``, never ``mmap`` for a block,
@@ -16,15 +15,12 @@ empty value keeps the system's setting) or ``--system-malloc`` is given. Every
 table's header prints the setting it ran under.
 
 The training benchmarks keep the system's allocator: 8 workers' threads share
-one arena there, and the main job's compressed steps slowed against the dense
-one (18:59 UTC, 600 steps: 6 of 22 methods within 1.2x of the dense step, 16.5 ms,
-against 12 of 22 and 15.6 ms under the system's allocator at 15:51).
+one arena there, and the main job's compressed steps slowed against the dense one.
 
-Its cost: one arena for every thread makes XLA's own compilation slower (ResNet-50's
-top-k update compiled in 9.1 and 9.4 s under ``glibc.malloc.hugetlb=1`` alone, 14.2 and
-15.2 s under :data:`CACHING`; QSGD 1.9, 2.0 -> 2.8, 3.2 s), so the kernel table times
-compilation in a process of its own under :data:`PLAIN`; two arenas compile as fast but
-fault again (bf16: 4,494 faults a step).
+Its cost: one arena for every thread makes XLA's own compilation slower, so the
+kernel table times compilation in a process of its own under :data:`PLAIN`; two
+arenas compile as fast but fault again (the figures: docs/benchmarks.md "Design
+measurements").
 """
 
 from __future__ import annotations
@@ -86,8 +82,8 @@ def grow_heap(nbytes: int) -> None:
   """Under :data:`CACHING`, grows the heap by ``nbytes`` of touched pages before any timing.
 
   The heap grows by ``brk`` as the steps need it, and the first update that needs
-  more pays for the new pages (the first rows of a table: ``none`` 60.6 ms on
-  ResNet-50's shapes against 7-9 ms alone). One block touched and freed here
+  more pays for the new pages (the first rows of a table several times their
+  time alone). One block touched and freed here
   stays in the heap for every later step. A no-op under any other setting.
   """
   if os.environ.get("GLIBC_TUNABLES") != CACHING or nbytes <= 0:
