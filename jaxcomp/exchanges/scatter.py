@@ -62,6 +62,7 @@ and refuse ``transport="scatter"``.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from typing import Any
@@ -103,12 +104,12 @@ class ScatterCodec:
     return self
 
 
-class ScatterForm:
+class ScatterForm(abc.ABC):
   """Mixin of an exchange (not a :class:`~jaxcomp.core.protocol.CodecExchange`) that has a scatter form."""
 
+  @abc.abstractmethod
   def scatter_codec(self, ctx) -> Codec:
     """The codec ``transport="scatter"`` runs in this exchange's place (``ctx`` None: for sizes only)."""
-    raise NotImplementedError
 
 
 _PER_LEAF = ScatterCodec()
