@@ -7,6 +7,7 @@ all methods are held to the same properties.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,16 @@ import jaxcomp
 
 N = 8
 AXIS = "data"
+
+# tests/conftest.py may switch XLA:CPU to its older loop emitter, which compiles faster but forms
+# other fusions; a test that reads fusions or buffers compiles with the emitter users get.
+USER_FUSIONS = ({"xla_cpu_use_fusion_emitters": True}
+                if "xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "") else None)
+
+
+def compile_as_users(lowered):
+  """``lowered.compile()`` with the fusions users' programs get (see ``USER_FUSIONS``)."""
+  return lowered.compile(USER_FUSIONS)
 
 
 def params_tree():

@@ -31,11 +31,9 @@ PHASE_TIMEOUT_S = 420
 
 def _phase(mode: str, directory) -> None:
   """Runs one phase of the script in a new process, bounded, killed with its group on timeout."""
-  # Both phases compile with the same flags; LLVM -O0 halves the compile time of these tiny steps.
-  env = dict(os.environ,
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip())
+  # both phases inherit the suite's compile flags (tests/conftest.py)
   proc = subprocess.Popen([sys.executable, SCRIPT, mode, str(directory)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
   try:
     out, _ = proc.communicate(timeout=PHASE_TIMEOUT_S)
   finally:

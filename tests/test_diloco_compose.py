@@ -74,10 +74,9 @@ def test_dense_inside_a_node_diloco_between_nodes():
 
 
 def _phase(mode, directory):
-  env = dict(os.environ,
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip())
+  # both phases inherit the suite's compile flags (tests/conftest.py)
   proc = subprocess.Popen([sys.executable, SCRIPT, mode, str(directory)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
   try:
     out, _ = proc.communicate(timeout=420)
   finally:
