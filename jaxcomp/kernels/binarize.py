@@ -64,12 +64,20 @@ def sided_thresholds(bits: jax.Array, segs: layout.Segments, k: np.ndarray):
   :func:`jaxcomp.kernels.segtopk.bisect_kth`'s search built bit by bit, both
   sides in each of its 31 passes (a pass there runs at memory speed).
   A side with fewer than ``k`` entries gets 0.
+
+  The sampled search keeps the bucket it reads in memory (its passes are
+  loops), so each side's patterns there are a bucket-sized int32 array. The
+  positive side reads ``bits`` itself, not ``max(bits, 0)``: the ``k``-th
+  largest of ``max(bits, 0)`` is ``max(., 0)`` of that of ``bits`` (a
+  monotone map), and the search's counts at every candidate >= 1 are the
+  same on both, so its result clamped at 0 is exact and the bucket is held
+  once for that side, not twice.
   """
-  positive = jnp.maximum(bits, 0)
   negative = jnp.where(bits < 0, bits & SIGN, 0)
   if segtopk.sampled(segs):
-    return segtopk.kth_largest_bits(positive, segs, k), segtopk.kth_largest_bits(negative, segs, k)
-  rows_p, rows_n = segs.rows(positive), segs.rows(negative)
+    tp = jnp.maximum(segtopk.kth_largest_bits(bits, segs, k), 0)
+    return tp, segtopk.kth_largest_bits(negative, segs, k)
+  rows_p, rows_n = segs.rows(jnp.maximum(bits, 0)), segs.rows(negative)
   k = jnp.asarray(k, jnp.int32)
 
   def body(i, t):

@@ -104,6 +104,9 @@ def lsb_exponent(error_bound: float) -> int:
   return math.floor(math.log2(2.0 * error_bound))
 
 
+CHUNK = 2 ** 22  # entries the encoder writes per step of its loop (a multiple of 128)
+
+
 @dataclasses.dataclass(frozen=True)
 class InceptionnCodec(Codec):
   """Payload: 2-bit tags packed 4 per byte, and a byte stream of fixed capacity per segment.
@@ -166,6 +169,62 @@ class InceptionnCodec(Codec):
     """The entry of each segment that goes first in its stream (int32 (S,))."""
     return rng.below(key, np.asarray(segs.sizes, np.uint32), (segs.count,))
 
+  def _layout(self, tag_words: jax.Array, key: jax.Array, segs: Segments, inv=None) -> tuple:
+    """What places every entry in the streams, compact: ``(words, before, rows)``.
+
+    ``words``: the packed tags as uint32 (16 entries each); ``before``: the
+    stream bytes of the words before each (int32, :func:`width_prefix`'s
+    word totals); ``rows``: per row of ``block`` entries (one row if a single
+    segment), its segment's lift, first rotated entry, total and stream end
+    (int32), see :meth:`_ends`; with ``inv`` (float32 (S,)) also its row table.
+    Entry ``i``'s prefix is ``before[i // 16]`` plus the widths of the tags
+    of its word up to itself: :meth:`_chunk_ends` rebuilds any range of
+    entries from these, so no ``n``-sized integer array need exist at once.
+    """
+    words = lax.bitcast_convert_type(tag_words.reshape(-1, 4), jnp.uint32)
+    totals = _tag_widths(words)
+    before = compaction.prefix_sum(totals) - totals
+
+    def cum(i):  # the inclusive prefix sums of entries i (int32), as width_prefix's
+      i = jnp.asarray(i, jnp.int32)
+      return before[i // 16] + _tag_widths(words[i // 16] & (jnp.uint32(0xFFFFFFFF) >> (30 - 2 * (i % 16))
+                                                             .astype(jnp.uint32)))
+
+    # Each segment's total and what the segments before it hold (padding entries have width 0).
+    ends = np.asarray(segs.offsets, np.int64) + np.asarray(segs.padded_sizes, np.int64)
+    seg_before = jnp.concatenate([jnp.zeros((1,), jnp.int32), cum(ends[:-1] - 1)])
+    total = cum(ends - 1) - seg_before
+    shift = self.shift(key, segs)
+    offsets = jnp.asarray(segs.offsets, jnp.int32)
+    skipped = jnp.where(shift > 0, cum(offsets + jnp.maximum(shift, 1) - 1) - seg_before, 0)
+    first = jnp.asarray(self._firsts(segs), jnp.int32)
+    table = jnp.stack([first + self.header - seg_before - skipped, offsets + shift, total,
+                       first + jnp.asarray(self._streams(segs), jnp.int32)], axis=1)
+    rows = lambda t: t if segs.count == 1 else t[jnp.asarray(segs.row_segment)]
+    # One barrier with this payload's prefix sums: the rotation's mask then depends on the payload as
+    # XLA sees it, so it is not hoisted out of the aggregate's loop over workers as an n-sized array.
+    before, table = lax.optimization_barrier((before, rows(table)))
+    return words, before, table, None if inv is None else rows(inv[:, None])
+
+  @staticmethod
+  def _spread_rows(table: jax.Array, lo, size: int, block: int) -> tuple:
+    """Entries ``lo .. lo + size - 1``'s values of a row table (one column each)."""
+    if table.shape[0] == 1:
+      return tuple(jnp.broadcast_to(table[0, j], (size,)) for j in range(table.shape[1]))
+    t = lax.dynamic_slice_in_dim(table, lo // block, size // block)
+    shape = (size // block, block)
+    return tuple(jnp.broadcast_to(t[:, j, None], shape).reshape(-1) for j in range(t.shape[1]))
+
+  def _chunk_ends(self, layout: tuple, lo, size: int, block: int):
+    """:meth:`_ends` of entries ``lo .. lo + size - 1`` (``lo`` and ``size`` multiples of ``block``)."""
+    words, before, table, _ = layout
+    w = lax.dynamic_slice_in_dim(words, lo // 16, size // 16)
+    upto = jnp.uint32(0xFFFFFFFF) >> (30 - 2 * jnp.arange(16, dtype=jnp.uint32))  # tags 0..i of a word
+    cum = (lax.dynamic_slice_in_dim(before, lo // 16, size // 16)[:, None]
+           + _tag_widths(w[:, None] & upto[None, :])).reshape(-1)
+    lift, wrap_below, wrap, last = self._spread_rows(table, lo, size, block)
+    return cum + lift + jnp.where(lo + lax.iota(jnp.int32, size) < wrap_below, wrap, 0), last
+
   def _ends(self, tag_words: jax.Array, key: jax.Array, segs: Segments):
     """Where each entry's bytes end in the bucket's streams, and where its segment's stream ends.
 
@@ -174,51 +233,62 @@ class InceptionnCodec(Codec):
     that order, plus where the segment's stream starts. ``tag_words``: the
     entries' packed tags.
     """
-    cum = width_prefix(tag_words)
-    # Each segment's total and what the segments before it hold, from the
-    # bucket-wide prefix sum (padding entries have width 0).
-    ends = np.asarray(segs.offsets, np.int64) + np.asarray(segs.padded_sizes, np.int64)
-    before = jnp.concatenate([jnp.zeros((1,), jnp.int32), cum[ends[:-1] - 1]])
-    total = cum[ends - 1] - before
-    shift = self.shift(key, segs)
-    offsets = jnp.asarray(segs.offsets, jnp.int32)
-    skipped = jnp.where(shift > 0, cum[offsets + jnp.maximum(shift, 1) - 1] - before, 0)
-    caps = self._streams(segs)
-    first = jnp.asarray(self._firsts(segs), jnp.int32)
-    lift, wrap_below, wrap, last = segs.spread_all(first + self.header - before - skipped, offsets + shift,
-                                           total, first + jnp.asarray(caps, jnp.int32))
-    return cum + lift + jnp.where(lax.iota(jnp.int32, segs.length) < wrap_below, wrap, 0), last
+    return self._chunk_ends(self._layout(tag_words, key, segs), 0, segs.length, segs.block)
 
-  def encode(self, x, key, segs):
-    b = lax.bitcast_convert_type(x, jnp.uint32)
-    sign = b >> 31
+  def _quantise(self, x: jax.Array, inv) -> tuple:
+    """``(tag, q)`` of each value: ``q`` its rounded multiple of the step (``inv``: 1 / step per entry)."""
     if self.relative:  # |x| in steps (times a reciprocal: exact under power-of-two scaling of x)
-      step = self.steps(x, segs)
-      q = jnp.floor(jnp.abs(x) * segs.spread_all(1.0 / step)[0] + 0.5)  # NaN and Inf compare False below
+      q = jnp.floor(jnp.abs(x) * inv + 0.5)  # NaN and Inf compare False below
     else:
       q = jnp.floor(jnp.abs(x) * 2.0 ** -self.lsb + 0.5)
-    tag = jnp.where(q < 1, 0, jnp.where(q < 2 ** 7, 1, jnp.where(q < 2 ** 15, 2, 3)))
+    return jnp.where(q < 1, 0, jnp.where(q < 2 ** 7, 1, jnp.where(q < 2 ** 15, 2, 3))), q
+
+  def _encode_chunk(self, x, layout, lo, size: int, block: int, carry):
+    """Entries ``lo .. lo + size - 1`` into the stream and the sent tags (``carry``)."""
+    stream, sent = carry
+    total = stream.shape[0] - 1
+    xc = lax.dynamic_slice_in_dim(x, lo, size)
+    b = lax.bitcast_convert_type(xc, jnp.uint32)
+    sign = b >> 31
+    inv = None if layout[3] is None else self._spread_rows(layout[3], lo, size, block)[0]
+    tag, q = self._quantise(xc, inv)
     qi = jnp.where(tag < 3, q, 0.0).astype(jnp.uint32)
     word = jnp.where(tag == 1, (sign << 7) | qi,
                      jnp.where(tag == 2, (sign << 15) | qi, jnp.where(tag == 3, b, 0)))
-    width = jnp.where(tag == 3, 4, tag)
-    end, last = self._ends(packing.pack(tag, 2), key, segs)
+    end, last = self._chunk_ends(layout, lo, size, block)
     fits = end <= last  # a prefix of each segment in rotated order
     tag = jnp.where(fits, tag, 0)
-    width = jnp.where(fits, width, 0)
+    width = jnp.where(tag == 3, 4, tag)
     start = end - width
     # Byte j of every entry in one scatter; bytes not sent land in a spare last byte, cut off
     # after (XLA:CPU scatters several times slower when indices fall out of bounds).
-    total = int(self._streams(segs).sum())
-    stream = jnp.zeros((total + 1,), jnp.uint8)
     for j in range(4):
       pos = jnp.where(j < width, start + j, total)
       stream = stream.at[pos].set(((word >> (8 * j)) & 0xFF).astype(jnp.uint8), mode="promise_in_bounds")
-    stream = stream[:total]
+    return stream, lax.dynamic_update_slice_in_dim(sent, packing.pack(tag.astype(jnp.uint8), 2), lo // 4, 0)
+
+  def encode(self, x, key, segs):
+    """The payload, written ``CHUNK`` entries at a time: each entry's code, stream position and scatter
+    indices exist for one chunk only, recomputed there from ``x`` and :meth:`_layout`."""
+    inv = None
+    if self.relative:
+      step = self.steps(x, segs)
+      inv = 1.0 / step
+    spread = None if inv is None else segs.spread_all(inv)[0]
+    layout = self._layout(packing.pack(self._quantise(x, spread)[0], 2), key, segs, inv)
+    total = int(self._streams(segs).sum())
+    carry = jnp.zeros((total + 1,), jnp.uint8), jnp.zeros((segs.length // 4,), jnp.uint8)
+    size = min(CHUNK, segs.length)
+    chunks, tail = divmod(segs.length, size)
+    body = lambda i, c: self._encode_chunk(x, layout, i * size, size, segs.block, c)
+    carry = body(0, carry) if chunks == 1 else lax.fori_loop(0, chunks, body, carry)
+    if tail:
+      carry = self._encode_chunk(x, layout, chunks * size, tail, segs.block, carry)
+    stream, sent = carry[0][:total], carry[1]
     if self.relative:  # each segment's step, where its values do not go
       word = lax.bitcast_convert_type(step, jnp.uint32)[:, None] >> (8 * jnp.arange(4, dtype=jnp.uint32))
       stream = stream.at[self._header_positions(segs)].set((word & 0xFF).astype(jnp.uint8))
-    return packing.pack(tag.astype(jnp.uint8), 2), stream
+    return sent, stream
 
   def decode(self, payload, key, segs):
     tag_words, stream = payload

@@ -162,20 +162,22 @@ class SBCExchange(Exchange):
     _, _, cap = self.sizes(segs)
     return 4 * segs.count + np.dtype(self._nbits_dtype(segs)).itemsize + golomb.words_for(cap)
 
-  def _encode(self, a, segs):
-    """This worker's payload and the dense vector it stands for."""
+  def _encode(self, bits, finite, segs):
+    """This worker's payload, the positions it sends (``n`` in unused slots) and the value of each.
+
+    ``bits``: the int32 bit patterns of the bucket with its non-finite entries set to 0;
+    ``finite``: whether none was.
+    """
     kk, b, cap = self.sizes(segs)
     n, total = segs.length, int(kk.sum())
     k = jnp.asarray(kk, jnp.int32)
-    finite = jnp.isfinite(a)
-    a = jnp.where(finite, a, 0.0)
-    bits = lax.bitcast_convert_type(a, jnp.int32)
+    a = lax.bitcast_convert_type(bits, jnp.float32)
     tp, tn = binarize.sided_thresholds(bits, segs, kk)
     tp, tn = jnp.maximum(tp, 1), jnp.maximum(tn, 1)  # a side with fewer than k entries: all of them
-    negative, magnitude = bits < 0, bits & binarize.SIGN
-    tp_e, tn_e = segs.spread(tp), segs.spread(tn)
+    # a negative entry's pattern is INT32_MIN + its magnitude pattern: each side's masks are plain compares
+    tp_e, tn_e = segs.spread(tp), segs.spread(tn + jnp.int32(-2 ** 31))
     above_p, tie_p = bits > tp_e, bits == tp_e
-    above_n, tie_n = negative & (magnitude > tn_e), negative & (magnitude == tn_e)
+    above_n, tie_n = (bits < 0) & (bits > tn_e), bits == tn_e
 
     # Per segment, for each side: entries above the threshold, entries at it, the sum above it
     # (one variadic row reduction per dtype: Segments.sums).
@@ -200,9 +202,9 @@ class SBCExchange(Exchange):
     pos, count = compaction.compact(words, n, total)
     stream, nbits, sent = golomb.encode_positions(pos, count, n, b, cap)
     pos = jnp.where(jnp.arange(total) < sent, pos, n)
-    local = jnp.zeros((n,), jnp.float32).at[pos].set(value[compaction.segment_of(pos, segs)], mode="drop")
-    flagged = jnp.where(jnp.all(finite), value, jnp.nan).astype(jnp.float32)
-    return (flagged, nbits.astype(self._nbits_dtype(segs)), stream), local
+    flagged = jnp.where(finite, value, jnp.nan).astype(jnp.float32)
+    payload = (flagged, nbits.astype(self._nbits_dtype(segs)), stream)
+    return payload, pos, value[compaction.segment_of(pos, segs)]
 
   def _mean(self, gathered: packing.Gathered, segs, num: int):
     kk, b, _ = self.sizes(segs)
@@ -217,21 +219,30 @@ class SBCExchange(Exchange):
     values = gathered.payloads()[0]  # one float32 per segment and worker
     return jnp.where(jnp.all(jnp.isfinite(values)), mean, jnp.nan)
 
-  def _exchange_sent(self, a, segs, ctx: StepContext):
-    """Every worker sends its binarized ``a``: (mean of what was sent, what this worker sent)."""
-    payload, local = self._encode(a, segs)
+  def _exchange_sent(self, bits, finite, segs, ctx: StepContext):
+    """Every worker sends its binarized bucket (``bits``, as :meth:`_encode`): the mean of what was sent,
+    and what this worker sent, dense and as positions with their values."""
+    payload, pos, values = self._encode(bits, finite, segs)
+    local = jnp.zeros((segs.length,), jnp.float32).at[pos].set(values, mode="drop")
     if ctx.axis.name is None:
-      return jnp.where(jnp.all(jnp.isfinite(payload[0])), local, jnp.nan), local
+      return jnp.where(jnp.all(jnp.isfinite(payload[0])), local, jnp.nan), local, pos, values
     gathered = ops.allgather_payload(payload, ctx.axis)
-    return self._mean(gathered, segs, ctx.axis.size), local
+    return self._mean(gathered, segs, ctx.axis.size), local, pos, values
 
   def _sync(self, x, segs, state: SBCState, ctx: StepContext, params, anchor):
     if params is None:  # delay=1: every worker is at the last sync point
       a = state.residual + x
     else:
       a = state.residual + ((params - anchor) + x)
-    mean, local = self._exchange_sent(a, segs, ctx)
-    residual = jnp.where(jnp.isfinite(a), a - local, 0.0)
+    finite = jnp.isfinite(a)
+    # a count per segment (Segments.sum fuses with the sum): jnp.all over the bucket would write the mask out
+    all_finite = jnp.all(segs.sum((~finite).astype(jnp.int32)) == 0)
+    # the one bucket-sized vector the sync writes besides its outputs: int32, as the threshold search reads it
+    bits = jnp.where(finite, lax.bitcast_convert_type(a, jnp.int32), 0)
+    mean, local, pos, values = self._exchange_sent(bits, all_finite, segs, ctx)
+    # what was not sent: a - local (0 where a is not finite), written only at the positions sent
+    rest = lax.bitcast_convert_type(lax.bitcast_convert_type(bits[pos], jnp.float32) - values, jnp.int32)
+    residual = lax.bitcast_convert_type(bits.at[pos].set(rest, mode="drop"), jnp.float32)
     if params is None:
       return mean, local, SBCState(state.anchor, residual, state.anchored)
     target = anchor + mean  # the next sync point, the same bits on every worker
