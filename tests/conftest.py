@@ -37,6 +37,36 @@ def _fast_compile_flags():
 _fast_compile_flags()
 
 
+def _shared_compile_cache():
+  """One persistent compilation cache for this run's processes, fresh for each run.
+
+  Modules compile the same programs again (the same method over the harness's tree in the
+  property, scale, finite and nnx tests; the processes the tests start), and each module drops
+  JAX's in-memory caches when it ends (``_release_compiled_programs``). A cache on disk that the
+  run's processes share (the test workers and every process they start inherit its path from
+  the environment) serves those compiles; it starts empty, so no run reads another's programs,
+  and is removed when the run ends.
+  """
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return
+  import tempfile
+
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxcomp-tests-cache-")
+  os.environ["JAXCOMP_TEST_CACHE_OWNER"] = str(os.getpid())
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+_shared_compile_cache()
+
+
+def pytest_unconfigure(config):
+  if os.environ.get("JAXCOMP_TEST_CACHE_OWNER") == str(os.getpid()):
+    import shutil
+
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
 import jaxcomp  # noqa: E402
 
 jaxcomp.cpu_devices(8)
@@ -89,3 +119,16 @@ def _release_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+# The heaviest modules (the most seconds of a run), started first: xdist hands whole modules to
+# the two workers in collection order (``--no-loadscope-reorder`` in pyproject.toml), so that the
+# workers end together instead of one running a long module alone at the end of the run.
+HEAVIEST_FIRST = ("test_examples.py", "test_suite.py", "test_recipes.py", "test_scatter.py",
+                  "test_properties.py", "test_checkpoint.py", "test_nnx.py", "test_fuzz.py", "test_scale.py",
+                  "test_long_runs.py", "test_lm.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(HEAVIEST_FIRST)))  # stable: the rest in order
