@@ -1,4 +1,5 @@
-"""benchmarks/compile_buckets.py: compile seconds of three forms per number of buckets (a small run)."""
+"""benchmarks/compile_buckets.py (compile seconds of three forms per number of buckets, a small run)
+and benchmarks/compile_flags.py."""
 
 import importlib.util
 from pathlib import Path
@@ -36,3 +37,16 @@ def test_the_three_forms_compute_the_same_and_print_a_row_per_count(capsys):
 def test_bad_arguments_are_refused(argv):
   with pytest.raises(SystemExit):
     _module().main(argv)
+
+
+def test_compile_flags_compiles_a_method_and_prints_its_seconds(capsys, monkeypatch):
+  """benchmarks/compile_flags.py: the child's step compiles and prints ``name seconds``."""
+  import jaxcomp.core.policy
+
+  monkeypatch.setattr(jaxcomp.core.policy, "MIN_SIZE", jaxcomp.core.policy.MIN_SIZE)  # the child sets 1
+  spec = importlib.util.spec_from_file_location("compile_flags", PATH.parent / "compile_flags.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  mod.child(["qsgd"])
+  name, seconds = capsys.readouterr().out.split()
+  assert name == "qsgd" and float(seconds) > 0
