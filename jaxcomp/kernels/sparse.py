@@ -18,6 +18,7 @@ from jax import lax
 
 from jaxcomp.collectives import ops, packing
 from jaxcomp.core.layout import Segments
+from jaxcomp.core.protocol import zero_after
 from jaxcomp.kernels import compaction, rng
 from jaxcomp.transforms import _args
 
@@ -54,9 +55,25 @@ def valid_indices(idx: jax.Array, count: jax.Array, n: int) -> jax.Array:
   return jnp.where(slot < jnp.expand_dims(count, -1), idx.astype(jnp.int32), n)
 
 
+def zeros_after(n: int, dep: jax.Array) -> jax.Array:
+  """float32 zeros ``(n,)`` computed from one entry of ``dep``: XLA writes them only once ``dep`` exists.
+
+  A decode scatters a payload into a bucket of zeros. Constant zeros are
+  shared by every decode of the same length and copied for each scatter, and
+  XLA's schedulers place those operand-free copies at the start of the
+  step, so every bucket's zeros were live through the whole step (two
+  bucket-sized buffers per bucket of a sparse method). Zeros made from
+  ``dep`` (:func:`~jaxcomp.core.protocol.zero_after`: +0.0 from any value)
+  are written where they are used.
+  """
+  first = dep.reshape(-1)[:1].astype(jnp.float32)
+  return jnp.broadcast_to(zero_after(first), (n,))
+
+
 def sparse_decode(values: jax.Array, idx: jax.Array, count: jax.Array, n: int) -> jax.Array:
   """Dense ``(n,)`` vector of a fixed-capacity sparse payload."""
-  return jnp.zeros((n,), jnp.float32).at[valid_indices(idx, count, n)].set(values, mode="drop")
+  idx = valid_indices(idx, count, n)
+  return zeros_after(n, values).at[idx].set(values, mode="drop")
 
 
 def scatter_mean(sparse: Callable[[jax.Array], tuple], gathered: packing.Gathered, n: int,
@@ -80,7 +97,7 @@ def scatter_mean(sparse: Callable[[jax.Array], tuple], gathered: packing.Gathere
       senders = senders.at[idx].add(1.0, mode="drop")
     return acc, senders
 
-  zeros = ops.like_vma(jnp.zeros((n,), jnp.float32), gathered.buffers)
+  zeros = ops.like_vma(zeros_after(n, jax.tree.leaves(gathered.buffers)[0]), gathered.buffers)
   total, senders = lax.fori_loop(0, gathered.workers, body, (zeros, zeros if per_entry else zeros[:0]))
   return total / jnp.maximum(senders, 1.0) if per_entry else total / num
 

@@ -28,7 +28,7 @@ from jaxcomp.core.builder import build
 from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.exchanges.scatter import ScatterCodec
-from jaxcomp.kernels.sparse import scatter_mean
+from jaxcomp.kernels.sparse import scatter_mean, zeros_after
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.dense import pow2
 
@@ -225,7 +225,7 @@ class ChunkedLowBitTopKCodec(Codec, ScatterCodec):
 
   def decode(self, payload, key, segs):
     pos, vals = self._dense(payload, segs.length)
-    return jnp.zeros((segs.length,), jnp.float32).at[pos].set(vals, mode="drop", unique_indices=True)
+    return zeros_after(segs.length, vals).at[pos].set(vals, mode="drop", unique_indices=True)
 
   def aggregate(self, gathered, key, segs, num):
     def sparse(w):

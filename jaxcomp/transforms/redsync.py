@@ -17,7 +17,7 @@ from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import Codec, Exchange, Memory, StepContext, flat_route
 from jaxcomp.exchanges.scatter import ScatterCodec, ScatterForm
 from jaxcomp.kernels import compaction, selection
-from jaxcomp.kernels.sparse import scatter_mean
+from jaxcomp.kernels.sparse import scatter_mean, zeros_after
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.threshold import BLOCK
 
@@ -101,7 +101,7 @@ class RedSyncExchange(Exchange, ScatterForm):
 
   def decode(self, payload, segs):
     values, idx = self.values(payload, segs)
-    return jnp.zeros((segs.length,), jnp.float32).at[idx.astype(jnp.int32)].add(values)
+    return zeros_after(segs.length, values).at[idx.astype(jnp.int32)].add(values)
 
   def scatter_codec(self, ctx: StepContext | None) -> "RedSyncCodec":
     """The selection as a codec, for ``transport="scatter"`` (a fresh binary search per chunk)."""

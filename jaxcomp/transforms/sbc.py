@@ -94,7 +94,7 @@ from jaxcomp.core.compression import compressed_optimizer
 from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import Exchange, Memory, StepContext, flat_route
 from jaxcomp.kernels import binarize, compaction
-from jaxcomp.kernels.sparse import scatter_mean
+from jaxcomp.kernels.sparse import scatter_mean, zeros_after
 from jaxcomp.transforms import _args
 
 
@@ -223,7 +223,7 @@ class SBCExchange(Exchange):
     """Every worker sends its binarized bucket (``bits``, as :meth:`_encode`): the mean of what was sent,
     and what this worker sent, dense and as positions with their values."""
     payload, pos, values = self._encode(bits, finite, segs)
-    local = jnp.zeros((segs.length,), jnp.float32).at[pos].set(values, mode="drop")
+    local = zeros_after(segs.length, values).at[pos].set(values, mode="drop")
     if ctx.axis.name is None:
       return jnp.where(jnp.all(jnp.isfinite(payload[0])), local, jnp.nan), local, pos, values
     gathered = ops.allgather_payload(payload, ctx.axis)

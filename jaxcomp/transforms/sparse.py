@@ -36,7 +36,7 @@ from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.exchanges.scatter import ScatterCodec
 from jaxcomp.kernels import segtopk
-from jaxcomp.kernels.sparse import scatter_mean
+from jaxcomp.kernels.sparse import scatter_mean, zeros_after
 from jaxcomp.transforms import _args
 
 CHUNK = 65536  # entries per chunk of the "chunk16" position code
@@ -130,7 +130,8 @@ class TopKCodec(Codec, ScatterCodec):
 
   def decode(self, payload, key, segs):
     n = segs.length
-    return jnp.zeros((n,), jnp.float32).at[self._positions(payload, n)].set(
+    pos = self._positions(payload, n)
+    return zeros_after(n, payload[0]).at[pos].set(
         payload[0].astype(jnp.float32), mode="drop", unique_indices=True)
 
   def aggregate(self, gathered, key, segs, num):
@@ -176,8 +177,8 @@ class ChunkedTopKCodec(Codec, ScatterCodec):
   def decode(self, payload, key, segs):
     n = segs.length
     vals, off = payload
-    return jnp.zeros((n,), jnp.float32).at[self._positions(off, n)].set(
-        vals.astype(jnp.float32), mode="drop", unique_indices=True)
+    pos = self._positions(off, n)
+    return zeros_after(n, vals).at[pos].set(vals.astype(jnp.float32), mode="drop", unique_indices=True)
 
   def aggregate(self, gathered, key, segs, num):
     n = segs.length
@@ -314,7 +315,7 @@ class RandomKCodec(Codec):
 
   def decode(self, payload, key, segs):
     pos, _ = random_positions(key, segs, self.ratio)
-    return jnp.zeros((segs.length,), jnp.float32).at[pos].set(payload, unique_indices=True)
+    return zeros_after(segs.length, payload).at[pos].set(payload, unique_indices=True)
 
 
 @_args.factory
