@@ -68,3 +68,14 @@ def test_the_buckets_zeros_are_not_live_for_the_whole_step(name):
   dense = _pmap_temp_bytes(jaxcomp.none(**options))
   ratio = _pmap_temp_bytes(tx) / dense
   assert ratio <= SPARSE[name], (name, ratio)
+
+
+def test_zeros_after_are_positive_zeros_whatever_the_entry_they_wait_for():
+  import numpy as np
+
+  from jaxcomp.kernels.sparse import zeros_after
+
+  for dep in (jnp.array([-2.0, 1.0]), jnp.array([jnp.nan]), jnp.array([-jnp.inf]), jnp.zeros((0,)),
+              jnp.array([-3], jnp.int8), jnp.array([-1e-30], jnp.bfloat16), jnp.ones((2, 3), jnp.uint8)):
+    z = np.asarray(zeros_after(5, dep))
+    assert z.shape == (5,) and z.dtype == np.float32 and not z.any() and not np.signbit(z).any(), dep

@@ -66,6 +66,8 @@ def zeros_after(n: int, dep: jax.Array) -> jax.Array:
   ``dep`` (:func:`~jaxcomp.core.protocol.zero_after`: +0.0 from any value)
   are written where they are used.
   """
+  if dep.size == 0:  # nothing to wait for
+    return jnp.zeros((n,), jnp.float32)
   first = dep.reshape(-1)[:1].astype(jnp.float32)
   return jnp.broadcast_to(zero_after(first), (n,))
 
