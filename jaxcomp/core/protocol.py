@@ -203,6 +203,18 @@ class Codec(abc.ABC):
   def decode(self, payload: Any, key: jax.Array, segs: layout.Segments) -> jax.Array:
     """``x_hat`` (float32, ``segs.length``) from a payload."""
 
+  def sent(self, x: jax.Array, payload: Any, key: jax.Array, segs: layout.Segments) -> jax.Array:
+    """What this worker sent of ``x`` (float32, ``segs.length``), for its residual: the decode of ``payload``.
+
+    A codec whose payload carries entries of ``x`` unchanged (top-k's float32
+    values) overrides it with ``where(mask, x, 0)`` built from the positions
+    alone (:func:`jaxcomp.kernels.sparse.kept`): a mask of one byte per entry that
+    XLA fuses into the residual's update, where a decode writes out a
+    bucket-sized float32 vector. The values are the decode's, bit for bit.
+    """
+    del x
+    return self.decode(payload, key, segs)
+
   def aggregate(self, gathered: packing.Gathered, key: jax.Array, segs: layout.Segments,
                 num: int) -> jax.Array:
     """Mean over the workers of the ``gathered`` payloads (:class:`~jaxcomp.collectives.packing.Gathered`).
@@ -298,12 +310,13 @@ class CodecExchange(Exchange):
     dec_key = enc_key if codec.shared_key else ctx.key
     if codec.linear:
       num = ctx.axis.size
-      payload = codec.encode(x / num, enc_key, segs)
-      local = codec.decode(payload, enc_key, segs) * num
+      scaled = x / num
+      payload = codec.encode(scaled, enc_key, segs)
+      local = codec.sent(scaled, payload, enc_key, segs) * num
       mean = codec.decode(ops.allreduce_sum(payload, ctx.axis), enc_key, segs)
       return mean, local, extra
     payload = codec.encode(x, enc_key, segs)
-    local = codec.decode(payload, enc_key, segs)
+    local = codec.sent(x, payload, enc_key, segs)
     if ctx.axis.name is None:
       return local, local, extra
     gathered = ops.allgather_payload(payload, ctx.axis)

@@ -166,7 +166,7 @@ class ScatterExchange(Exchange):
     codec = self.codec(ctx)
     if ctx.axis.name is None:  # one worker: a local round trip, as the gather
       payload = codec.encode(x, ctx.key, segs)
-      local = codec.decode(payload, ctx.key, segs)
+      local = codec.sent(x, payload, ctx.key, segs)
       return local, local, owner
     n, me, length = ctx.axis.size, ctx.axis.index, segs.length
     cs = layout.chunk_segments(segs, n, self.block, _traits(codec).leaf_segments)
@@ -177,7 +177,7 @@ class ScatterExchange(Exchange):
     rows = jnp.pad(x, (0, n * c - length)).reshape(n, c)
     # phase 1: N chunk payloads, chunk j to worker j; worker me averages its chunk
     payload = _batched(lambda r, k: codec.encode(r, k, cs), codec, rows, keys)
-    local = _batched(lambda p, k: codec.decode(p, k, cs), codec, payload, keys).reshape(-1)[:length]
+    local = _batched(lambda r, p, k: codec.sent(r, p, k, cs), codec, rows, payload, keys).reshape(-1)[:length]
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), payload)
     buffers = _batched(packing.to_bytes, codec, payload)
     received = packing.Gathered(ops.alltoall(buffers, ctx.axis), like)

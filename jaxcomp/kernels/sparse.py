@@ -72,6 +72,25 @@ def zeros_after(n: int, dep: jax.Array) -> jax.Array:
   return jnp.broadcast_to(zero_after(first), (n,))
 
 
+def kept(x: jax.Array, positions: jax.Array) -> jax.Array:
+  """``x`` at ``positions`` (those ``>= n`` dropped), +0.0 elsewhere: the decode of a payload of
+  ``x``'s own values at distinct positions, bit for bit, from a bool mask instead of a scatter of the values.
+
+  The mask (a byte per entry, made after ``positions`` as :func:`zeros_after` makes its zeros)
+  and the select fuse into the residual's update: no decoded bucket of float32 is written.
+  """
+  n = x.shape[0]
+  zero = zeros_after(1, positions) if positions.size else jnp.zeros((1,), jnp.float32)
+  mask = jnp.broadcast_to(zero != 0.0, (n,)).at[positions].set(True, mode="drop")
+  return jnp.where(mask, x, 0.0)
+
+
+def sparse_kept(x: jax.Array, payload, n: int) -> jax.Array:
+  """:func:`sparse_decode` of a :func:`sparse_payload` of ``x``, by :func:`kept` (what the worker sent)."""
+  _, idx, count = payload
+  return kept(x, valid_indices(idx, count, n))
+
+
 def sparse_decode(values: jax.Array, idx: jax.Array, count: jax.Array, n: int) -> jax.Array:
   """Dense ``(n,)`` vector of a fixed-capacity sparse payload."""
   idx = valid_indices(idx, count, n)

@@ -68,7 +68,14 @@ from jaxcomp.core.rebuild import staged
 from jaxcomp.core.warmup import warmup_stages
 from jaxcomp.exchanges.scatter import ScatterCodec, ScatterForm
 from jaxcomp.kernels import rng
-from jaxcomp.kernels.sparse import select, sparse_bytes, sparse_decode, sparse_mean, sparse_payload
+from jaxcomp.kernels.sparse import (
+  select,
+  sparse_bytes,
+  sparse_decode,
+  sparse_kept,
+  sparse_mean,
+  sparse_payload,
+)
 from jaxcomp.kernels.thresholds import passes, refine_thresholds, sampled_thresholds, target
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.threshold import BLOCK
@@ -143,7 +150,7 @@ class DGCExchange(Exchange, ScatterForm):
   def exchange(self, x, segs, extra, ctx: StepContext):
     n = segs.length
     payload = self.encode(x, jax.random.fold_in(ctx.key, ctx.axis.index), self.ratio(ctx.count), segs)
-    local = sparse_decode(*payload, n)
+    local = sparse_kept(x, payload, n)
     if ctx.axis.name is None:
       return local, local, extra
     gathered = ops.allgather_payload(payload, ctx.axis)
@@ -170,6 +177,9 @@ class DGCCodec(Codec, ScatterCodec):
 
   def decode(self, payload, key, segs):
     return sparse_decode(*payload, segs.length)
+
+  def sent(self, x, payload, key, segs):
+    return sparse_kept(x, payload, segs.length)
 
   def aggregate(self, gathered, key, segs, num):
     return sparse_mean(gathered, segs.length, num)

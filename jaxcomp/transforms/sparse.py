@@ -36,7 +36,7 @@ from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.exchanges.scatter import ScatterCodec
 from jaxcomp.kernels import segtopk
-from jaxcomp.kernels.sparse import scatter_mean, zeros_after
+from jaxcomp.kernels.sparse import kept, scatter_mean, zeros_after
 from jaxcomp.transforms import _args
 
 CHUNK = 65536  # entries per chunk of the "chunk16" position code
@@ -134,6 +134,11 @@ class TopKCodec(Codec, ScatterCodec):
     return zeros_after(n, payload[0]).at[pos].set(
         payload[0].astype(jnp.float32), mode="drop", unique_indices=True)
 
+  def sent(self, x, payload, key, segs):
+    if self.values != "float32":  # the values were rounded: what was sent is their decode
+      return self.decode(payload, key, segs)
+    return kept(x, self._positions(payload, segs.length))
+
   def aggregate(self, gathered, key, segs, num):
     n = segs.length
 
@@ -179,6 +184,11 @@ class ChunkedTopKCodec(Codec, ScatterCodec):
     vals, off = payload
     pos = self._positions(off, n)
     return zeros_after(n, vals).at[pos].set(vals.astype(jnp.float32), mode="drop", unique_indices=True)
+
+  def sent(self, x, payload, key, segs):
+    if self.values != "float32":  # the values were rounded: what was sent is their decode
+      return self.decode(payload, key, segs)
+    return kept(x, self._positions(payload[1], segs.length))
 
   def aggregate(self, gathered, key, segs, num):
     n = segs.length
@@ -316,6 +326,11 @@ class RandomKCodec(Codec):
   def decode(self, payload, key, segs):
     pos, _ = random_positions(key, segs, self.ratio)
     return zeros_after(segs.length, payload).at[pos].set(payload, unique_indices=True)
+
+  def sent(self, x, payload, key, segs):
+    if self.unbiased:  # the values were scaled: what was sent is their decode
+      return self.decode(payload, key, segs)
+    return kept(x, random_positions(key, segs, self.ratio)[0])
 
 
 @_args.factory

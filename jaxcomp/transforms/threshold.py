@@ -23,7 +23,14 @@ from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
 from jaxcomp.exchanges.scatter import ScatterCodec
 from jaxcomp.kernels import compaction, rng
-from jaxcomp.kernels.sparse import segment_caps, select, sparse_decode, sparse_mean, sparse_payload
+from jaxcomp.kernels.sparse import (
+  segment_caps,
+  select,
+  sparse_decode,
+  sparse_kept,
+  sparse_mean,
+  sparse_payload,
+)
 from jaxcomp.kernels.thresholds import passes, refine_thresholds, sampled_thresholds, segment_rms, target
 from jaxcomp.transforms import _args
 
@@ -74,6 +81,9 @@ class ThresholdCodec(Codec, ScatterCodec):
 
   def decode(self, payload, key, segs):
     return sparse_decode(*payload, segs.length)
+
+  def sent(self, x, payload, key, segs):
+    return sparse_kept(x, payload, segs.length)
 
   def aggregate(self, gathered, key, segs, num):
     return sparse_mean(gathered, segs.length, num)
