@@ -69,6 +69,7 @@ class Run:
   train_loss: float = float("nan")  # mean of the last 10% of steps, over workers
   bytes: int = -1  # steady state, per worker per step
   every_leaf_bytes: int = -1  # the same recipe with min_size=0 (-1: the method has no leaf policy)
+  replica_spread: float = float("nan")  # the largest difference of a parameter between two workers at the end
   seconds: float = float("nan")
   compile_seconds: float = float("nan")
   error: str = ""
@@ -117,7 +118,9 @@ def train(run: Run, chunk: int = 100) -> Run:
                                              params)
     P, _, losses, run.compile_seconds = fit(task, tx, params, run.steps, run.batch, run.seed, chunk)
     run.train_loss = float(np.mean(losses[:, -max(1, run.steps // 10):]))
-    run.metric = float(task.metric(jax.tree.map(lambda a: a[0], jax.device_get(P)), test_split))
+    host = jax.device_get(P)
+    run.replica_spread = max(float(np.max(np.abs(a - a[:1]), initial=0.0)) for a in jax.tree.leaves(host))
+    run.metric = float(task.metric(jax.tree.map(lambda a: a[0], host), test_split))
   except Exception as e:  # noqa: BLE001 -- one broken configuration must not stop the suite
     traceback.print_exc()
     run.error = f"{type(e).__name__}: {e}"
