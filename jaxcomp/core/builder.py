@@ -28,7 +28,7 @@ from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import Axis, AxisName, axis_names, current_axis
 from jaxcomp.core import checks, layout, policy
 from jaxcomp.core.compression import CompressionTransformation, Settings, record_init
-from jaxcomp.core.groups import groups, join
+from jaxcomp.core.groups import groups, join_groups, stack_group
 from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import DENSE, CompressState, MemoryStep, StepContext
 from jaxcomp.exchanges import hierarchy
@@ -266,19 +266,17 @@ def _exchange_fused(method: Method, buckets, x, extras, ctx: StepContext):
   for i, (b, xb) in enumerate(zip(buckets, x)):
     for g, (view, idx) in enumerate(groups(b.segments)):
       plan.append((b.exchange, view, [b.leaves[s] for s in idx]))
-      xs.append(jnp.stack([b.segments.segment(xb, s).reshape(view) for s in idx]))
+      xs.append(stack_group(xb, b.segments, view, idx))
       states.append(extras[i][g])
-      where.append((i, idx))
+      where.append(i)
   fused = method.fused(plan, xs, tuple(states), ctx)
-  mean = [[None] * b.segments.count for b in buckets]
-  sent = [[None] * b.segments.count for b in buckets]
-  new_extra = [[] for _ in buckets]
-  for (i, idx), (m, loc, e) in zip(where, fused):
+  mean, sent, new_extra = ([[] for _ in buckets] for _ in range(3))
+  for i, (m, loc, e) in zip(where, fused):
+    mean[i].append(m)
+    sent[i].append(loc)
     new_extra[i].append(e)
-    for j, s in enumerate(idx):
-      mean[i][s], sent[i][s] = m[j].reshape(-1), loc[j].reshape(-1)
-  return ([join(m, b.segments) for m, b in zip(mean, buckets)],
-          [join(loc, b.segments) for loc, b in zip(sent, buckets)],
+  return ([join_groups(groups(b.segments), m, b.segments) for m, b in zip(mean, buckets)],
+          [join_groups(groups(b.segments), loc, b.segments) for loc, b in zip(sent, buckets)],
           [tuple(e) for e in new_extra])
 
 

@@ -8,6 +8,7 @@ from typing import Any, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxcomp.core import layout
 from jaxcomp.core.protocol import Exchange, StepContext
@@ -27,13 +28,55 @@ def groups(segs: layout.Segments):
   return [(view, idx) for (view, _), idx in out.items()]
 
 
-def join(parts, segs: layout.Segments) -> jax.Array:
-  """Per-segment vectors -> one bucket vector with zero padding (rows, as :func:`layout.pack`)."""
-  out = []
-  for part, n, p in zip(parts, segs.sizes, segs.padded_sizes):
-    part = part.astype(jnp.float32)
-    out.append((jnp.pad(part, (0, p - n)) if p > n else part).reshape(-1, layout.ROW))
-  return out[0].reshape(-1) if len(out) == 1 else jnp.concatenate(out).reshape(-1)
+def _runs(idx, segs: layout.Segments):
+  """Splits a group's segment indices into runs that lie back to back in the bucket: ``[(j, m)]``.
+
+  Run ``(j, m)`` is group positions ``j .. j + m - 1``: one slice of the bucket.
+  """
+  runs = []
+  for j, s in enumerate(idx):
+    if runs:
+      j0, m = runs[-1]
+      prev = idx[j - 1]
+      if s == prev + 1 and segs.offsets[s] == segs.offsets[prev] + segs.sizes[prev]:
+        runs[-1] = (j0, m + 1)
+        continue
+    runs.append((j, 1))
+  return runs
+
+
+def stack_group(x, segs: layout.Segments, view, idx) -> jax.Array:
+  """The group's segments of bucket ``x`` as ``(G, *view)``: one slice of the bucket per run of
+  segments that lie back to back (:func:`_runs`), not one per segment."""
+  n = segs.sizes[idx[0]]
+  parts = []
+  for j, m in _runs(idx, segs):
+    start = segs.offsets[idx[j]]
+    parts.append(lax.slice_in_dim(x, start, start + m * n).reshape((m,) + tuple(view)))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def join_groups(groups, stacked, segs: layout.Segments) -> jax.Array:
+  """Inverse of :func:`stack_group` over all groups (each ``(G, ...)``, any trailing shape): one bucket
+  vector, zero padded as :func:`layout.pack`, one piece per run of back-to-back segments."""
+  where = {}
+  for g, (_, idx) in enumerate(groups):
+    for j, s in enumerate(idx):
+      where[s] = (g, j)
+  parts, s = [], 0
+  while s < segs.count:
+    g, j = where[s]
+    m = 1
+    while (s + m < segs.count and where[s + m] == (g, j + m)
+           and segs.offsets[s + m] == segs.offsets[s + m - 1] + segs.sizes[s + m - 1]):
+      m += 1
+    whole = j == 0 and m == stacked[g].shape[0]
+    run = (stacked[g] if whole else stacked[g][j:j + m]).reshape(-1)
+    pad = segs.padded_sizes[s + m - 1] - segs.sizes[s + m - 1]
+    parts.append((jnp.pad(run, (0, pad)) if pad else run).reshape(-1, layout.ROW))
+    s += m
+  return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(-1)
+
 
 
 class GroupExchange(Exchange):
@@ -67,15 +110,15 @@ class GroupExchange(Exchange):
     return sum(self.wire_bytes(view, len(idx)) for view, idx in groups(segs))
 
   def exchange(self, x, segs: layout.Segments, extra, ctx: StepContext):
-    mean, local = [None] * segs.count, [None] * segs.count
-    new_extra = []
-    for g, ((view, idx), ex_state) in enumerate(zip(groups(segs), extra)):
-      X = jnp.stack([segs.segment(x, s).reshape(view) for s in idx])
-      m, loc, ex_state = self(X, ex_state, ctx._replace(key=jax.random.fold_in(ctx.key, g)))
+    mean, local, new_extra = [], [], []
+    plan = groups(segs)
+    for g, ((view, idx), ex_state) in enumerate(zip(plan, extra)):
+      m, loc, ex_state = self(stack_group(x, segs, view, idx), ex_state,
+                              ctx._replace(key=jax.random.fold_in(ctx.key, g)))
+      mean.append(m)
+      local.append(loc)
       new_extra.append(ex_state)
-      for j, s in enumerate(idx):
-        mean[s], local[s] = m[j].reshape(-1), loc[j].reshape(-1)
-    return join(mean, segs), join(local, segs), tuple(new_extra)
+    return join_groups(plan, mean, segs), join_groups(plan, local, segs), tuple(new_extra)
 
 
 class FusedExchange(abc.ABC):

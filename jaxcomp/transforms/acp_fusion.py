@@ -104,12 +104,42 @@ def _rows(role, g, size):
   return rows[0], rows[1]
 
 
+def _runs_of(rows):
+  """Ascending static ``rows`` as runs ``(start, stop)`` of consecutive positions."""
+  runs = []
+  for r in rows.tolist():
+    if runs and runs[-1][1] == r:
+      runs[-1][1] = r + 1
+    else:
+      runs.append([r, r + 1])
+  return runs
+
+
 def _take(a, rows):
-  return a if rows.size == a.shape[0] else a[rows]
+  """``a[rows]`` for static ascending ``rows``: slices of ``a`` (no gather)."""
+  if rows.size == a.shape[0]:
+    return a
+  return _joined([a[i:j] for i, j in _runs_of(rows)])
 
 
 def _put(a, rows, values):
-  return values if rows.size == a.shape[0] else a.at[rows].set(values)
+  """``a.at[rows].set(values)`` for static ascending ``rows``: slices of both, concatenated (no scatter).
+
+  Where ``rows`` are all of ``a``, the result is ``values`` in ``a``'s type (a select,
+  which XLA folds away): a factor kept in the state stays varying over the workers.
+  """
+  if rows.size == a.shape[0]:
+    return jnp.where(True, values, a)
+  pieces, at, used = [], 0, 0
+  for i, j in _runs_of(rows):
+    if at < i:
+      pieces.append(a[at:i])
+    pieces.append(values[used:used + j - i])
+    used += j - i
+    at = j
+  if at < a.shape[0]:
+    pieces.append(a[at:])
+  return _joined(pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,11 +292,11 @@ class ACPFusion(FusedExchange):
         Pm = _in_order(got[g, 0]).reshape(-1, a, P.shape[-1])
         mean = _put(mean, p_rows, jnp.einsum("gar,gbr->gab", Pm, _take(Q, p_rows)))
         # not a plain Pm: P keeps the state's (varying) type; a zero column keeps the last one
-        P = P.at[p_rows].set(keep_nonzero_columns(Pm, _take(P, p_rows)))
+        P = _put(P, p_rows, keep_nonzero_columns(Pm, _take(P, p_rows)))
       if q_rows.size:
         Qmt = _in_order(got[g, 1]).reshape(-1, Q.shape[-1], b)
         mean = _put(mean, q_rows, jnp.einsum("gar,grb->gab", _take(P, q_rows), Qmt))
-        Q = Q.at[q_rows].set(keep_nonzero_columns(jnp.swapaxes(Qmt, 1, 2), _take(Q, q_rows)))
+        Q = _put(Q, q_rows, keep_nonzero_columns(jnp.swapaxes(Qmt, 1, 2), _take(Q, q_rows)))
       means.append(mean)
       states.append((P, Q))  # a non-finite factor means a non-finite mean: build() restores them
     return means, states

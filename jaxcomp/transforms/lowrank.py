@@ -14,7 +14,7 @@ from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core import layout
 from jaxcomp.core.builder import build
-from jaxcomp.core.groups import GroupExchange
+from jaxcomp.core.groups import GroupExchange, join_groups, stack_group
 from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import DENSE, Exchange, Memory, StepContext
 from jaxcomp.transforms import _args
@@ -110,54 +110,6 @@ def _view_groups(segs: layout.Segments):
   for s, view in enumerate(segs.views):
     out.setdefault(tuple(view), []).append(s)
   return list(out.items())
-
-
-def _runs(idx, segs: layout.Segments):
-  """Splits a group's segment indices into runs that lie back to back in the bucket: ``[(j, m)]``.
-
-  Run ``(j, m)`` is group positions ``j .. j + m - 1``: one slice of the bucket.
-  """
-  runs = []
-  for j, s in enumerate(idx):
-    if runs:
-      j0, m = runs[-1]
-      prev = idx[j - 1]
-      if s == prev + 1 and segs.offsets[s] == segs.offsets[prev] + segs.sizes[prev]:
-        runs[-1] = (j0, m + 1)
-        continue
-    runs.append((j, 1))
-  return runs
-
-
-def _stack(x, segs: layout.Segments, view, idx) -> jax.Array:
-  """The group's segments of bucket ``x`` as ``(G, *view)``: slices of the bucket, no copy for a run."""
-  n = segs.sizes[idx[0]]
-  parts = []
-  for j, m in _runs(idx, segs):
-    start = segs.offsets[idx[j]]
-    parts.append(lax.slice_in_dim(x, start, start + m * n).reshape((m,) + tuple(view)))
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-
-def _unstack(groups, stacked, segs: layout.Segments) -> jax.Array:
-  """Inverse of :func:`_stack` over all groups: one bucket vector from per-group ``(G, *view)``."""
-  where = {}
-  for g, (_, idx) in enumerate(groups):
-    for j, s in enumerate(idx):
-      where[s] = (g, j)
-  parts, s = [], 0
-  while s < segs.count:
-    g, j = where[s]
-    m = 1
-    while (s + m < segs.count and where[s + m] == (g, j + m)
-           and segs.offsets[s + m] == segs.offsets[s + m - 1] + segs.sizes[s + m - 1]):
-      m += 1
-    whole = j == 0 and m == stacked[g].shape[0]
-    run = (stacked[g] if whole else stacked[g][j:j + m]).reshape(-1)
-    pad = segs.padded_sizes[s + m - 1] - segs.sizes[s + m - 1]
-    parts.append((jnp.pad(run, (0, pad)) if pad else run).reshape(-1, layout.ROW))
-    s += m
-  return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(-1)
 
 
 _PAD_FLOATS = 1 << 20  # padding allowed to batch small P factors (beyond the factors' own size)
@@ -283,7 +235,7 @@ class PowerSGDExchange(Exchange):
   def _compressed(self, x, segs, Q, ctx: StepContext):
     groups = _view_groups(segs)
     axis = ctx.axis
-    Xs = [_stack(x, segs, view, idx) for view, idx in groups]
+    Xs = [stack_group(x, segs, view, idx) for view, idx in groups]
     Qs = orthogonalize_all(self.warm_start(segs, Q))  # the same on every worker: no communication
     P = _flat([jnp.einsum("gab,gbr->gar", X, Q) for X, Q in zip(Xs, Qs)])
     P = ops.allreduce_sum(P, axis) / axis.size  # every view's P in one all-reduce
@@ -293,7 +245,7 @@ class PowerSGDExchange(Exchange):
     Qn = ops.allreduce_sum(Qn, axis) / axis.size  # and every Q in another
     Qts = _split(Qn, [(g, r, b) for g, b, r in self._shapes(segs)])
     Ms = [jnp.einsum("gar,grb->gab", P, Qt) for P, Qt in zip(Ps, Qts)]
-    M = _unstack(groups, Ms, segs)
+    M = join_groups(groups, Ms, segs)
     kept = _flat([keep_nonzero_columns(jnp.swapaxes(new, 1, 2), old)
                   for new, old in zip(Qts, self.warm_start(segs, Q))])
     return M, M, jnp.where(jnp.all(jnp.isfinite(Qn)), kept, Q)  # a NaN step must not poison the warm start
