@@ -283,9 +283,9 @@ def _exchange_fused(method: Method, buckets, x, extras, ctx: StepContext):
 def _nan_if_nonfinite(vectors) -> jax.Array:
   """0.0 if every entry of ``vectors`` is finite, else NaN.
 
-  An AND-reduction of ``isfinite`` (it fuses into the kernel that produces
-  ``vectors``). Not a max of magnitudes: XLA:CPU's vectorised max-reduction
-  can drop a NaN that sits among equal values, and the step would pass as finite.
+  An AND-reduction of ``isfinite``, row by row (:func:`_rows_finite`). Not a max of
+  magnitudes: XLA:CPU's vectorised max-reduction can drop a NaN that sits among equal
+  values, and the step would pass as finite.
   """
   ok = jnp.ones((), jnp.bool_)
   for v in vectors:
