@@ -283,26 +283,15 @@ def _exchange_fused(method: Method, buckets, x, extras, ctx: StepContext):
 def _nan_if_nonfinite(vectors) -> jax.Array:
   """0.0 if every entry of ``vectors`` is finite, else NaN.
 
-  An AND-reduction of ``isfinite``, row by row (:func:`_rows_finite`). Not a max of
-  magnitudes: XLA:CPU's vectorised max-reduction can drop a NaN that sits among equal
-  values, and the step would pass as finite.
+  An AND-reduction of ``isfinite`` (it fuses into the kernel that produces
+  ``vectors``). Not a max of magnitudes: XLA:CPU's vectorised max-reduction
+  can drop a NaN that sits among equal values, and the step would pass as finite.
   """
   ok = jnp.ones((), jnp.bool_)
   for v in vectors:
     if v.size:
-      ok = ok & jnp.all(_rows_finite(v))
+      ok = ok & jnp.all(jnp.isfinite(v))
   return jnp.where(ok, 0.0, jnp.nan).astype(jnp.float32)
-
-
-def _rows_finite(v: jax.Array) -> jax.Array:
-  """Whether each row of :data:`layout.ROW` entries of ``v`` is finite (bool, one per row).
-
-  As :func:`layout.halves`: one XLA loop fused with ``isfinite``; a plain reduction of
-  ``isfinite(v)`` goes to YNNPACK, and XLA:CPU first writes the bool vector out in full.
-  """
-  n = v.size
-  rows = v.reshape(-1, layout.ROW) if n % layout.ROW == 0 else v.reshape(1, -1)
-  return layout.halves(jnp.isfinite(rows), jnp.ones((), jnp.bool_), jnp.logical_and)
 
 
 def _guard_nonfinite(carried, x, mean, sent, extra, state, axis, chunks=False):
