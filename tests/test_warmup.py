@@ -81,6 +81,28 @@ def test_staged_composes_with_memory_and_dense_start_under_shard_map():
       assert 0 < np.mean(np.asarray(op["w"])[0] != 0) < 1
 
 
+@pytest.mark.parametrize("make", [
+    lambda: jaxcomp.staged([(0, jaxcomp.randomk(0.5, axis_name=AXIS, min_size=100)),
+                            (1, jaxcomp.randomk(0.05, axis_name=AXIS, min_size=100))]),
+    lambda: jaxcomp.dgc(0.05, axis_name=AXIS, warmup_steps=2, min_size=100),  # stages share thresholds
+], ids=["randomk", "dgc"])
+def test_a_dense_start_past_a_stage_boundary_stays_dense(make):
+  """Before ``start_step`` every step is dense, whichever stage the count has reached (the program
+  once switched to a compressed stage at a step past a stage's first step but before the start)."""
+  tx = jaxcomp.configure(make(), start_step=3)
+  assert tx.method.stages and tx.method.stages[0][0] < 3
+  sizes = [jaxcomp.wire_bytes(tx, PARAMS, step=s) for s in range(4)]
+  assert sizes[0] == sizes[1] == sizes[2] > sizes[3], sizes
+  state = init_stacked(tx, PARAMS)
+  for step in range(4):
+    g = worker_grads(PARAMS, seed=step)
+    out, state = run_pmap(tx, g, state)
+    dense = np.mean(np.asarray(out["w"])[0] != 0) == 1
+    assert dense == (step < 3), step
+    if step == 0:  # DGC's momentum enters from the second step on
+      np.testing.assert_allclose(np.asarray(out["w"])[0], np.asarray(g["w"]).mean(0), rtol=1e-5, atol=1e-7)
+
+
 def test_staged_names_bad_stages():
   t = jaxcomp.topk(0.1, axis_name=AXIS)
   with pytest.raises(ValueError, match="starting at 0"):

@@ -225,7 +225,8 @@ def _remember(method: Method, x, sent, mean, memory, buckets, ctx: StepContext, 
 def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: StepContext, params):
   """The exchanges of the step's stage, or before ``method.start_step`` the dense mean (all sent).
 
-  One compiled program holds every stage: ``lax.switch`` on the step count.
+  One compiled program holds every stage: ``lax.switch`` on the step count (each bucket's
+  stages switched by its exchange, :func:`_shared_stages`).
   """
   def dense(x, extras):
     mean = ops.allreduce_sum(tuple(x), ctx.axis)  # one all-reduce for every bucket
@@ -240,14 +241,41 @@ def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: StepContext,
 
     return compressed
 
-  branches = ([dense] if method.start_step > 0 else []) + \
-      [stage(i) for i in range(len(method.stages) + 1)]
+  shared = _shared_stages(method, layout_of, ctx, params)
+  stages = [shared] if shared else [stage(i) for i in range(len(method.stages) + 1)]
+  branches = ([dense] if method.start_step > 0 else []) + stages
   if len(branches) == 1:
     return branches[0](x, extras)
   branches = [lambda x, e, f=f: ops.varying(f(x, e), ctx.axis) for f in branches]
-  firsts = ([method.start_step] if method.start_step > 0 else []) + [s for s, _ in method.stages]
-  index = sum((ctx.count >= s).astype(jnp.int32) for s in firsts)
+  index = 0 if shared else _stage_index(method, ctx.count)
+  if method.start_step > 0:  # dense before start_step, whichever stage the count is in
+    index = jnp.where(ctx.count < method.start_step, 0, 1 + index)
   return lax.switch(index, branches, tuple(x), tuple(extras))
+
+
+def _stage_index(method: Method, count) -> jax.Array:
+  """The stage that runs at ``count`` (int32; 0: the first)."""
+  return sum((count >= s).astype(jnp.int32) for s, _ in method.stages) + jnp.int32(0)
+
+
+def _shared_stages(method: Method, layout_of, ctx: StepContext, params):
+  """Every stage of a schedule in one call per bucket (:meth:`Exchange.exchange_stages`, which can do
+  the stages' common work once), or None: no stages, a fused method, or a bucket whose stages
+  have exchanges of different types (then the builder switches whole stages)."""
+  if not method.stages or method.fused is not None:
+    return None
+  per_bucket = list(zip(*[layout_of(i) for i in range(len(method.stages) + 1)]))
+  if any(len({type(s.exchange) for s in b}) > 1 for b in per_bucket):
+    return None
+  index = _stage_index(method, ctx.count)
+
+  def run(x, extras):
+    results = [b[0].exchange.exchange_stages([s.exchange for s in b], index, xb, b[0].segments, e,
+                                              ctx._replace(key=jax.random.fold_in(ctx.key, i), params=p))
+               for i, (b, xb, e, p) in enumerate(zip(per_bucket, x, extras, params))]
+    return tuple(list(r) for r in zip(*results)) if results else ([], [], [])
+
+  return run
 
 
 def _exchange_all(method: Method, buckets, x, extras, ctx: StepContext, params):

@@ -285,6 +285,14 @@ class Exchange(abc.ABC):
   def bucket_wire_bytes(self, segs: layout.Segments, workers: int | None = None) -> int:
     """Nominal bytes one worker hands to collectives for the bucket (``workers``: N, where it matters)."""
 
+  def exchange_stages(self, stages, index, x: jax.Array, segs: layout.Segments, extra: Any,
+                      ctx: StepContext):
+    """``stages[index].exchange(...)``: the bucket's exchanges of a schedule's stages (this one first,
+    all of this type; ``index`` traced), one ``lax.switch`` over them. An exchange whose stages
+    share work (DGC's thresholds) overrides it to do that work once."""
+    branches = [lambda x, e, ex=ex: ops.varying(ex.exchange(x, segs, e, ctx), ctx.axis) for ex in stages]
+    return lax.switch(index, branches, x, extra)
+
 
 @dataclasses.dataclass(frozen=True)
 class CodecExchange(Exchange):

@@ -40,7 +40,7 @@ def target(ratio, m) -> jax.Array:
   return jnp.ceil(jnp.asarray(ratio, jnp.float32) * jnp.asarray(m, jnp.float32) - 1e-3)
 
 
-def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, max_ratio: float,
+def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, max_ratio,
                        sample_ratio: float, among_nonzero: bool = False) -> jax.Array:
   """Per segment, the magnitude above which about ``ratio`` of ``a`` (>= 0) lies, from a sample.
 
@@ -48,7 +48,8 @@ def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, 
   128)`` entries (all of it up to 16384 entries, see :func:`sample_size`),
   one every ``n // s`` from ``offsets[s] % (n // s)``; the threshold is its ``ceil(ratio * s)``-th
   largest entry (of its nonzero entries with ``among_nonzero``), at most the
-  ``ceil(max_ratio * s)``-th. ``ratio`` may be traced. When the sample holds
+  ``ceil(max_ratio * s)``-th. ``ratio`` may be traced; ``max_ratio`` is a float,
+  or an int32 (S,) array of those bounds (:func:`sample_bounds`). When the sample holds
   no nonzero entry, the threshold is the segment's ``max(a)``. The k-th
   largest of every sample is found exactly and at once by
   :func:`jaxcomp.kernels.segtopk.bisect_kth` on the float bit pattern (31
@@ -73,7 +74,7 @@ def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, 
   starts = (np.cumsum(rows) - rows) * MIN_SAMPLE
   sample_segs = Segments(tuple(int(o) for o in starts), tuple(int(m) for m in s),
                          tuple((int(m),) for m in s), MIN_SAMPLE)
-  ks_max = np.asarray([_args.ratio_count(max_ratio, m) for m in s], np.int32)
+  ks_max = sample_bounds(segs, max_ratio, sample_ratio) if np.ndim(max_ratio) == 0 else max_ratio
   if among_nonzero:  # the nonzero entries of each sample
     pool = compaction.run_sums(jnp.sum(bits.reshape(-1, MIN_SAMPLE) >= 1, axis=1, dtype=jnp.int32), rows)
   else:
@@ -84,6 +85,12 @@ def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, 
   lo = segtopk.bisect_kth(bits, sample_segs, ks)
   thr = lax.bitcast_convert_type(lo, jnp.float32)
   return jnp.where(thr > 0, thr, top)
+
+
+def sample_bounds(segs: Segments, max_ratio: float, sample_ratio: float) -> np.ndarray:
+  """int32 (S,): the largest rank :func:`sampled_thresholds` takes in each segment's sample."""
+  return np.asarray([_args.ratio_count(max_ratio, sample_size(n, sample_ratio)) for n in segs.sizes],
+                    np.int32)
 
 
 def passes(a: jax.Array, thr) -> jax.Array:

@@ -41,7 +41,9 @@ the first in circular order from a random offset) stay in v and u. The
 warm-up is a schedule of stages (:func:`jaxcomp.ratio_warmup`, built on
 :func:`jaxcomp.staged`): each stage has the payload of its own density, so
 the bytes shrink as the warm-up goes on; one compiled program holds every
-stage, and ``u``, ``v`` carry over from stage to stage.
+stage (the thresholds estimated once, with the stage's ratio as data; the
+selection, payload and all-gather switched on the stage), and ``u``, ``v``
+carry over from stage to stage.
 :func:`jaxcomp.wire_bytes` gives the bytes after the warm-up (``step=``
 for a warm-up step's). A ratio schedule (a callable) is traced instead:
 its payload is sized for ``max_ratio`` at every step.
@@ -55,6 +57,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import AxisName
@@ -76,7 +79,13 @@ from jaxcomp.kernels.sparse import (
   sparse_mean,
   sparse_payload,
 )
-from jaxcomp.kernels.thresholds import passes, refine_thresholds, sampled_thresholds, target
+from jaxcomp.kernels.thresholds import (
+  passes,
+  refine_thresholds,
+  sample_bounds,
+  sampled_thresholds,
+  target,
+)
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.threshold import BLOCK
 
@@ -135,26 +144,61 @@ class DGCExchange(Exchange, ScatterForm):
   def ratio(self, count):
     return jnp.clip(jnp.asarray(self.schedule(count), jnp.float32), 0.0, self.max_ratio)
 
-  def encode(self, x, key, ratio, segs: Segments):
+  def thresholds(self, x, key, ratio, segs: Segments, bounds=None):
+    """``(|x|, per-segment thresholds)``: sampled, then adjusted to 0.7-1.3 k.
+
+    ``bounds``: the sample ranks' upper bounds (:func:`sample_bounds`), as data; None: this
+    exchange's (``max_ratio``).
+    """
     a = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
-    thr = sampled_thresholds(a, segs, rng.word_ints(key, 0, segs.sizes), ratio, self.max_ratio,
-                             self.sample_ratio)
+    thr = sampled_thresholds(a, segs, rng.word_ints(key, 0, segs.sizes), ratio,
+                             self.max_ratio if bounds is None else bounds, self.sample_ratio)
     k = jnp.maximum(target(ratio, np.asarray(segs.sizes, np.float32)), 1.0)
-    thr = refine_thresholds(a, thr, k, segs, low=0.7, high=1.3, up=1.3, down=0.7, iterations=10)
+    return a, refine_thresholds(a, thr, k, segs, low=0.7, high=1.3, up=1.3, down=0.7, iterations=10)
+
+  def payload(self, x, a, thr, key, segs: Segments):
+    """What the thresholds select, at most this exchange's capacity per segment."""
     idx, count = select(passes(a, segs.spread(thr)), segs, self.caps(segs), key, word=1)
     return sparse_payload(x, idx, count, segs.length)
+
+  def encode(self, x, key, ratio, segs: Segments):
+    a, thr = self.thresholds(x, key, ratio, segs)
+    return self.payload(x, a, thr, key, segs)
 
   def init_bucket(self, segs, key):
     return ()
 
   def exchange(self, x, segs, extra, ctx: StepContext):
-    n = segs.length
     payload = self.encode(x, jax.random.fold_in(ctx.key, ctx.axis.index), self.ratio(ctx.count), segs)
+    return self._send(x, payload, segs, ctx) + (extra,)
+
+  def _send(self, x, payload, segs, ctx: StepContext):
+    """``(mean, sent)`` of a payload: all-gathered and averaged; ``sent`` what left this worker."""
+    n = segs.length
     local = sparse_kept(x, payload, n)
     if ctx.axis.name is None:
-      return local, local, extra
-    gathered = ops.allgather_payload(payload, ctx.axis)
-    return sparse_mean(gathered, n, ctx.axis.size), local, extra
+      return local, local
+    return sparse_mean(ops.allgather_payload(payload, ctx.axis), n, ctx.axis.size), local
+
+  def exchange_stages(self, stages, index, x, segs, extra, ctx: StepContext):
+    """The exchange of ``stages[index]`` (DGC exchanges of a warm-up, this one first).
+
+    The stages differ in their ratio and capacity only: the thresholds are
+    estimated once with the stage's ratio as data, and only the selection,
+    payload and all-gather (each stage's own capacity) are switched on the stage.
+    """
+    if any(ex.sample_ratio != self.sample_ratio for ex in stages):
+      return super().exchange_stages(stages, index, x, segs, extra, ctx)
+    key = jax.random.fold_in(ctx.key, ctx.axis.index)
+    ratio = jnp.stack([ex.ratio(ctx.count) for ex in stages])[index]
+    bounds = jnp.asarray(np.stack([sample_bounds(segs, ex.max_ratio, ex.sample_ratio) for ex in stages]))
+    a, thr = self.thresholds(x, key, ratio, segs, bounds[index])
+
+    def send(ex):
+      return ops.varying(self._send(x, ex.payload(x, a, thr, key, segs), segs, ctx), ctx.axis)
+
+    mean, local = lax.switch(index, [lambda ex=ex: send(ex) for ex in stages])
+    return mean, local, extra
 
   def bucket_wire_bytes(self, segs, workers=None):
     return sparse_bytes(segs.length, int(self.caps(segs).sum()))
