@@ -199,6 +199,23 @@ def segment_binary_search(x: jax.Array, segs: Segments, k, capacity=None,
   return Selection(idx, used, thr)
 
 
+def segment_search_stages(x: jax.Array, segs: Segments, ks, index, threshold: jax.Array | None = None):
+  """The search of :func:`segment_binary_search` for one of several stages' ``ks``.
+
+  ``ks``: each stage's k per segment (capacity ``2 k``, at most the size);
+  ``index`` (traced) picks the stage, whose k, capacity and full segments
+  are data, so the stages share one search. Returns ``(words, thresholds,
+  capacities)``: the selection's words, float32 ``(S,)`` thresholds and each
+  stage's total capacity (ints), for :func:`jaxcomp.kernels.compaction.compact`.
+  """
+  stages = [_segment_counts(segs, k, None) for k in ks]
+  k, capacity, full = (jnp.asarray(np.stack(a))[index] for a in zip(*stages))
+  first = jnp.zeros((segs.count,), jnp.float32) if threshold is None else jnp.asarray(threshold, jnp.float32)
+  words, thr = _segment_search(_unpadded(x, segs), segs, k, capacity, first,
+                               lambda it, mid, hi: mid, full)
+  return words, thr, [int(c.sum()) for _, c, _ in stages]
+
+
 def segment_trimmed_topk(x: jax.Array, segs: Segments, k, step: float = 0.1, capacity=None) -> Selection:
   """:func:`trimmed_topk` of every segment of a bucket at once: the exact top-``k_s`` of each.
 

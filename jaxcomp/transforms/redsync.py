@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
@@ -62,17 +63,21 @@ class RedSyncExchange(Exchange, ScatterForm):
     return ()
 
   def encode(self, x, segs, thresholds):
-    n = segs.length
     if self.selection == "binary_search":
       sel = selection.segment_binary_search(x, segs, self.ks(segs), threshold=thresholds)
     else:
       sel = selection.segment_trimmed_topk(x, segs, self.ks(segs))
-    valid = sel.indices < n
-    idx = jnp.where(valid, sel.indices, 0)
+    return self.payload(x, sel.indices, segs), sel.threshold
+
+  def payload(self, x, indices, segs):
+    """The payload of the selected bucket positions (``segs.length`` in unused slots)."""
+    n = segs.length
+    valid = indices < n
+    idx = jnp.where(valid, indices, 0)
     values = jnp.where(valid, x[idx], 0.0)
     itype = _args.index_dtype(n)
     if not self.quantize:
-      return (values, idx.astype(itype)), sel.threshold
+      return values, idx.astype(itype)
     cap = idx.shape[0]
     pos, neg = valid & (values >= 0), valid & (values < 0)
     seg = compaction.segment_of(idx, segs)
@@ -87,7 +92,7 @@ class RedSyncExchange(Exchange, ScatterForm):
     n_rank = compaction.prefix_sum(neg.astype(jnp.int32))
     slot = jnp.where(pos, p_rank - 1, jnp.where(neg, counts[0] + n_rank - 1, cap))
     ordered = jnp.zeros((cap,), jnp.int32).at[slot].set(idx, mode="drop")
-    return (ordered.astype(itype), counts, means), sel.threshold
+    return ordered.astype(itype), counts, means
 
   def values(self, payload, segs):
     """The float32 values and positions of a payload (quantized ones expanded from the means)."""
@@ -110,13 +115,38 @@ class RedSyncExchange(Exchange, ScatterForm):
 
   def exchange(self, x, segs, thresholds, ctx: StepContext):
     payload, found = self.encode(x, segs, thresholds if self.selection == "binary_search" else None)
-    if self.selection == "binary_search":
-      thresholds = jnp.where(jnp.isfinite(found), found, 0.0)
+    return self._send(payload, segs, ctx) + (self._carried(found, thresholds),)
+
+  def _carried(self, found, thresholds):
+    """The thresholds the state carries (the binary search's found ones, finite)."""
+    return jnp.where(jnp.isfinite(found), found, 0.0) if self.selection == "binary_search" else thresholds
+
+  def _send(self, payload, segs, ctx: StepContext):
+    """``(mean, local)`` of a payload: all-gathered and averaged; ``local`` its decode."""
     local = self.decode(payload, segs)
     if ctx.axis.name is None:
-      return local, local, thresholds
+      return local, local
     gathered = ops.allgather_payload(payload, ctx.axis)
-    return self.mean(gathered, segs, ctx.axis.size), local, thresholds
+    return self.mean(gathered, segs, ctx.axis.size), local
+
+  def exchange_stages(self, stages, index, x, segs, thresholds, ctx: StepContext):
+    """The exchange of ``stages[index]`` (RedSync exchanges of a ratio warm-up, this one first).
+
+    With the binary search, the stages differ in k and capacity only: one
+    search with the stage's k and capacity as data; the compaction, payload
+    and all-gather (each stage's own capacity) are switched on the stage.
+    """
+    if any((ex.selection, ex.quantize) != ("binary_search", self.quantize) for ex in stages):
+      return super().exchange_stages(stages, index, x, segs, thresholds, ctx)
+    words, found, caps = selection.segment_search_stages(x, segs, [ex.ks(segs) for ex in stages], index,
+                                                         thresholds)
+
+    def send(cap):
+      idx, _ = compaction.compact(words, segs.length, cap)
+      return ops.varying(self._send(self.payload(x, idx, segs), segs, ctx), ctx.axis)
+
+    mean, local = lax.switch(index, [lambda cap=cap: send(cap) for cap in caps])
+    return mean, local, self._carried(found, thresholds)
 
   def mean(self, gathered: packing.Gathered, segs: Segments, num: int) -> jax.Array:
     """The mean of the gathered payloads, each decoded where the loop over workers reads it."""
