@@ -311,19 +311,15 @@ def _exchange_fused(method: Method, buckets, x, extras, ctx: StepContext):
 def _nan_if_nonfinite(vectors) -> jax.Array:
   """0.0 if every entry of ``vectors`` is finite, else NaN.
 
-  A sum of ``v * 0``: 0 for finite entries, NaN for a NaN or an Inf, and a
-  sum keeps any NaN it meets. Not a max of magnitudes: XLA:CPU's vectorised
-  max-reduction can drop a NaN that sits among equal values. Rows of
-  :data:`layout.ROW` entries are summed as two half rows (:func:`layout.halves`),
-  one XLA loop fused with the product: a plain reduction goes to YNNPACK, and
-  XLA:CPU first writes its operand out in full.
+  An AND-reduction of ``isfinite`` (it fuses into the kernel that produces
+  ``vectors``). Not a max of magnitudes: XLA:CPU's vectorised max-reduction
+  can drop a NaN that sits among equal values, and the step would pass as finite.
   """
-  total = jnp.zeros((), jnp.float32)
+  ok = jnp.ones((), jnp.bool_)
   for v in vectors:
     if v.size:
-      rows = v.reshape(-1, layout.ROW) if v.size % layout.ROW == 0 else v.reshape(1, -1)
-      total = total + jnp.sum(layout.halves(rows * 0.0, jnp.zeros((), v.dtype), lax.add))
-  return jnp.where(jnp.isnan(total), jnp.nan, 0.0).astype(jnp.float32)
+      ok = ok & jnp.all(jnp.isfinite(v))
+  return jnp.where(ok, 0.0, jnp.nan).astype(jnp.float32)
 
 
 def _guard_nonfinite(carried, x, mean, sent, extra, state, axis, chunks=False):
