@@ -38,7 +38,7 @@ from jaxcomp.core.layout import Segments, padded
 from jaxcomp.transforms.inceptionn import InceptionnCodec, lsb_exponent, width_prefix
 from jaxcomp.transforms.quantize import NaturalCodec, QSGDCodec, TernGradCodec
 from jaxcomp.transforms.sign import OneBitCodec, ScaledSignCodec, SignCodec
-from jaxcomp.transforms.sketchml import SketchCodec, sample_positions
+from jaxcomp.transforms.sketchml import SketchCodec, sample_positions, sorted_rows
 from jaxcomp.transforms.u8bit import U8bitCodec, dettmers_table
 
 pytestmark = pytest.mark.usefixtures("every_leaf_module")  # small trees on purpose: compress every leaf
@@ -674,6 +674,21 @@ def test_codec_payload_has_one_scale_per_leaf():
   assert means.shape == (2, 5)
   np.testing.assert_allclose(means[1], [0.0, 0.0, xs[2][xs[2] >= 0].mean(), 0.0, xs[4][xs[4] >= 0].mean()],
                              rtol=1e-6)
+
+
+_SPECIAL = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0, -1.0]
+
+
+@given(hnp.arrays(np.float32, (3, 40), elements=st.one_of(st.floats(width=32), st.sampled_from(_SPECIAL))))
+def test_sorted_rows_sorts_every_float_and_reads_back_its_bits(x):
+  """SketchML's split points come from this int32-key sort: numpy's order (jnp.sort's, but for
+  subnormals, which XLA:CPU's float comparator may take for zero), NaN of either sign last and
+  read back as NaN, -0.0 as 0.0, every other value's bits unchanged."""
+  got, want = np.asarray(sorted_rows(jnp.asarray(x))), np.sort(x, axis=1)
+  assert np.array_equal(np.isnan(got), np.isnan(want))
+  finite = ~np.isnan(want)
+  np.testing.assert_array_equal(got[finite].view(np.int32), (want[finite] + np.float32(0)).view(np.int32))
+  assert not np.any(np.signbit(got[np.isnan(got)]))
 
 
 def test_sketchml_sampled_quantiles_per_leaf_of_a_bucket():

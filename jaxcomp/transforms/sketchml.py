@@ -60,6 +60,23 @@ def sample_positions(key: jax.Array, segs: Segments, sample_size: int) -> jax.Ar
   return jnp.asarray(segs.offsets, jnp.int32)[:, None] + local
 
 
+def sorted_rows(v: jax.Array) -> jax.Array:
+  """Each float32 row of ``v`` in increasing order, NaN last (read back as NaN), ``-0.0`` as ``0.0``.
+
+  ``jnp.sort(v, axis=1)``'s order, sorted as int32 keys: the float bits made
+  order-preserving (a negative value's magnitude bits flipped), every NaN one
+  NaN and ``-0.0`` zero first. XLA:CPU sorts a lone int32 operand with a plain
+  comparison, and floats through a call of the total-order comparator per
+  comparison, several times slower (and, where the CPU reads subnormals as
+  zero, out of order among them: the keys keep their true order).
+  """
+  flip = jnp.int32(0x7FFFFFFF)
+  bits = lax.bitcast_convert_type(v, jnp.int32)  # on bits: a float compare could flush subnormals
+  bits = jnp.where((bits & flip) > 0x7F800000, 0x7FC00000, jnp.where(bits == -flip - 1, 0, bits))
+  keys = lax.sort(jnp.where(bits < 0, bits ^ flip, bits), dimension=1)
+  return lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ flip, keys), jnp.float32)
+
+
 _COARSE = 32  # SketchML's search: split points compared directly before the binary search (P / 32 a block)
 
 
@@ -97,7 +114,7 @@ class SketchCodec(Codec):
     pos = sample_positions(key, segs, self.sample_size)
     col = lax.broadcasted_iota(jnp.int32, pos.shape, 1)
     sample = jnp.where(col < jnp.asarray(m, jnp.int32)[:, None], x[pos], jnp.inf)
-    ordered = jnp.sort(sample, axis=1)
+    ordered = sorted_rows(sample)
     j = np.arange(1, self._width(segs) + 1)[None, :]
     inside = j < q[:, None]
     rank = np.where(inside, (j * m[:, None]) // q[:, None], 0)
