@@ -114,7 +114,7 @@ class SketchCodec(Codec):
     pos = sample_positions(key, segs, self.sample_size)
     col = lax.broadcasted_iota(jnp.int32, pos.shape, 1)
     sample = jnp.where(col < jnp.asarray(m, jnp.int32)[:, None], x[pos], jnp.inf)
-    ordered = sorted_rows(sample)
+    ordered = self.sort_samples(sample)
     j = np.arange(1, self._width(segs) + 1)[None, :]
     inside = j < q[:, None]
     rank = np.where(inside, (j * m[:, None]) // q[:, None], 0)
@@ -122,6 +122,11 @@ class SketchCodec(Codec):
     # Unused columns hold NaN, which no entry is >= (a +inf there would count for an entry of +Inf
     # and send it past its segment's bins, lost or into another leaf's).
     return jnp.where(jnp.asarray(inside), split, jnp.nan)
+
+  @staticmethod
+  def sort_samples(sample: jax.Array) -> jax.Array:
+    """The rows of ``sample`` (S, W) in increasing order: :func:`sorted_rows`."""
+    return sorted_rows(sample)
 
   def _first(self, segs: Segments) -> np.ndarray:
     """Index of each segment's first mean in the payload (int64 (S,))."""
