@@ -99,6 +99,11 @@ def width_prefix(tag_words: jax.Array) -> jax.Array:
   return (before[:, None] + _tag_widths(words[:, None] & upto[None, :])).reshape(-1)
 
 
+def _low_bytes(width: jax.Array) -> jax.Array:
+  """uint32 masks of the low ``width`` bytes (``width`` 0, 1, 2 or 4)."""
+  return jnp.where(width >= 4, jnp.uint32(0xFFFFFFFF), (jnp.uint32(1) << (8 * width).astype(jnp.uint32)) - 1)
+
+
 def lsb_exponent(error_bound: float) -> int:
   """k with ``2**k`` the largest power of two <= 2 * error_bound (the fixed-point step)."""
   return math.floor(math.log2(2.0 * error_bound))
@@ -246,7 +251,6 @@ class InceptionnCodec(Codec):
   def _encode_chunk(self, x, layout, lo, size: int, block: int, carry):
     """Entries ``lo .. lo + size - 1`` into the stream and the sent tags (``carry``)."""
     stream, sent = carry
-    total = stream.shape[0] - 1
     xc = lax.dynamic_slice_in_dim(x, lo, size)
     b = lax.bitcast_convert_type(xc, jnp.uint32)
     sign = b >> 31
@@ -259,12 +263,15 @@ class InceptionnCodec(Codec):
     fits = end <= last  # a prefix of each segment in rotated order
     tag = jnp.where(fits, tag, 0)
     width = jnp.where(tag == 3, 4, tag)
+    word = jnp.where(width > 0, word & _low_bytes(width), 0)
+    # Each entry's bytes go into the uint32 words of the stream as two word-aligned parts (the word
+    # its first byte is in, and the next), added: no two entries share a byte, so the sum is the
+    # bytes themselves. An entry not sent adds zeros to word 0.
     start = end - width
-    # Byte j of every entry in one scatter; bytes not sent land in a spare last byte, cut off
-    # after (XLA:CPU scatters several times slower when indices fall out of bounds).
-    for j in range(4):
-      pos = jnp.where(j < width, start + j, total)
-      stream = stream.at[pos].set(((word >> (8 * j)) & 0xFF).astype(jnp.uint8), mode="promise_in_bounds")
+    at, lane = start // 4, (8 * (start % 4)).astype(jnp.uint32)
+    at = jnp.where(width > 0, at, 0)
+    stream = stream.at[at].add(word << lane, mode="promise_in_bounds")
+    stream = stream.at[at + 1].add(jnp.where(lane > 0, word >> (32 - lane), 0), mode="promise_in_bounds")
     return stream, lax.dynamic_update_slice_in_dim(sent, packing.pack(tag.astype(jnp.uint8), 2), lo // 4, 0)
 
   def encode(self, x, key, segs):
@@ -277,14 +284,14 @@ class InceptionnCodec(Codec):
     spread = None if inv is None else segs.spread_all(inv)[0]
     layout = self._layout(packing.pack(self._quantise(x, spread)[0], 2), key, segs, inv)
     total = int(self._streams(segs).sum())
-    carry = jnp.zeros((total + 1,), jnp.uint8), jnp.zeros((segs.length // 4,), jnp.uint8)
+    carry = jnp.zeros((total // 4 + 2,), jnp.uint32), jnp.zeros((segs.length // 4,), jnp.uint8)
     size = min(CHUNK, segs.length)
     chunks, tail = divmod(segs.length, size)
     body = lambda i, c: self._encode_chunk(x, layout, i * size, size, segs.block, c)
     carry = body(0, carry) if chunks == 1 else lax.fori_loop(0, chunks, body, carry)
     if tail:
       carry = self._encode_chunk(x, layout, chunks * size, tail, segs.block, carry)
-    stream, sent = carry[0][:total], carry[1]
+    stream, sent = lax.bitcast_convert_type(carry[0], jnp.uint8).reshape(-1)[:total], carry[1]
     if self.relative:  # each segment's step, where its values do not go
       word = lax.bitcast_convert_type(step, jnp.uint32)[:, None] >> (8 * jnp.arange(4, dtype=jnp.uint32))
       stream = stream.at[self._header_positions(segs)].set((word & 0xFF).astype(jnp.uint8))
@@ -295,10 +302,11 @@ class InceptionnCodec(Codec):
     tag = packing.unpack(tag_words, 2, segs.length).astype(jnp.int32)
     width = jnp.where(tag == 3, 4, tag)
     start = self._ends(tag_words, key, segs)[0] - width
-    word = jnp.zeros((segs.length,), jnp.uint32)
-    for j in range(4):
-      byte = jnp.take(stream, start + j, mode="clip").astype(jnp.uint32)
-      word = word | jnp.where(j < width, byte << (8 * j), 0)
+    words = lax.bitcast_convert_type(jnp.pad(stream, (0, 8 - stream.shape[0] % 4)).reshape(-1, 4), jnp.uint32)
+    at, lane = start // 4, (8 * (start % 4)).astype(jnp.uint32)
+    word = jnp.take(words, at, mode="clip") >> lane
+    word = word | jnp.where(lane > 0, jnp.take(words, at + 1, mode="clip") << (32 - lane), 0)
+    word = word & _low_bytes(width)
     fixed_sign = jnp.where(tag == 1, word >> 7, word >> 15) & 1
     magnitude = (word & jnp.where(tag == 1, 0x7F, 0x7FFF)).astype(jnp.float32)
     if self.relative:  # q steps
