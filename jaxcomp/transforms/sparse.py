@@ -3,8 +3,9 @@
 Top-k has two selections and two position codes:
 
 - ``selection="exact"`` (default): the ``k = ceil(ratio * n)`` entries of
-  largest magnitude of each leaf (``lax.top_k``; past 65536 entries RedSync's
-  trimmed top-k, which finds the same entries several times faster).
+  largest magnitude of each leaf, ties to the lower index as ``lax.top_k``
+  (every leaf of a bucket at once: :mod:`jaxcomp.kernels.segtopk`, each leaf's
+  k-th largest magnitude bracketed by a sample and found exactly, nothing sorted).
 - ``selection="chunked"``: the ``ceil(ratio * b)`` largest of every block of
   ``b`` consecutive entries. About the same number of entries, not the same
   set; several times faster on CPU (no global top-k), and each position is an
