@@ -14,7 +14,6 @@ Usage: ``python benchmarks/sort_keys.py [--shape 4,4096] [--reps 50] [--models r
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,14 +27,12 @@ from jaxcomp.transforms import sketchml  # noqa: E402
 
 
 def median_ms(fn, *args, reps: int) -> float:
+  """Milliseconds of ``jax.jit(fn)(*args)``: the median of ``reps`` runs after one warm-up."""
+  from jaxcomp_bench.common import run_times
+
   fn = jax.jit(fn)
   jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(times))
+  return 1e3 * float(np.median(run_times(lambda: fn(*args), reps)))
 
 
 class FloatSortCodec(sketchml.SketchCodec):

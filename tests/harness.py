@@ -7,6 +7,7 @@ all methods are held to the same properties.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import jax
@@ -307,3 +308,14 @@ def own_step(loss_fn, chain, mesh, specs, axis: str = "dcn"):
     return optax.apply_updates(params, updates), state, loss.mean()
 
   return tx, step
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def benchmark_script(name: str):
+  """The module of ``benchmarks/<name>.py`` (a standalone script, not a package), imported."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, name + ".py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod

@@ -1,21 +1,14 @@
 """benchmarks/compile_buckets.py (compile seconds of three forms per number of buckets, a small run)
 and benchmarks/compile_flags.py."""
 
-import importlib.util
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_buckets.py"
+from harness import benchmark_script
 
 
 def _module():
-  spec = importlib.util.spec_from_file_location("compile_buckets", PATH)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return benchmark_script("compile_buckets")
 
 
 def test_the_three_forms_compute_the_same_and_print_a_row_per_count(capsys):
@@ -44,9 +37,6 @@ def test_compile_flags_compiles_a_method_and_prints_its_seconds(capsys, monkeypa
   import jaxcomp.core.policy
 
   monkeypatch.setattr(jaxcomp.core.policy, "MIN_SIZE", jaxcomp.core.policy.MIN_SIZE)  # the child sets 1
-  spec = importlib.util.spec_from_file_location("compile_flags", PATH.parent / "compile_flags.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  mod.child(["qsgd"])
+  benchmark_script("compile_flags").child(["qsgd"])
   name, seconds = capsys.readouterr().out.split()
   assert name == "qsgd" and float(seconds) > 0

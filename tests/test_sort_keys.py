@@ -1,22 +1,15 @@
 """benchmarks/sort_keys.py: jnp.sort against SketchML's int32-key sort (a small run)."""
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
+from harness import benchmark_script
 
 from jaxcomp.core.layout import Segments
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "sort_keys.py"
-
 
 def _module():
-  spec = importlib.util.spec_from_file_location("sort_keys", PATH)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return benchmark_script("sort_keys")
 
 
 def test_both_sorts_give_sketchmls_split_points_and_a_row_prints(capsys):
