@@ -28,7 +28,7 @@ from harness import (
 
 import jaxcomp
 from jaxcomp.core import layout
-from jaxcomp.core.protocol import Memory
+from jaxcomp.core.protocol import Exchange, Memory
 from jaxcomp.exchanges.scatter import ScatterCodec, ScatterExchange
 from jaxcomp.training import checkpoint
 
@@ -167,6 +167,36 @@ def test_bad_arguments_are_named():
   assert jaxcomp.configure(jaxcomp.topk(axis_name=AXIS), transport="scatter").transport == "scatter"
   with pytest.raises(ValueError, match="transport"):
     jaxcomp.staged([(0, tx), (10, jaxcomp.topk(axis_name=AXIS))])
+
+
+def test_dgc_warmup_stages_share_their_thresholds_under_scatter(monkeypatch):
+  """DGC's warm-up stages estimate their thresholds once per phase (the stage's ratio as data), as the
+  gather does, and switch only on the payloads: the staged program holds fewer than twice one stage's
+  reductions (whole stages switched: 105 against 27), and steps through the stages bit for bit as
+  whole stages switched do."""
+  params = params_tree()
+
+  def reductions(tx):
+    step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)
+    return step.lower(jaxcomp.per_worker(params, N), init_stacked(tx, params)).as_text().count(
+        "stablehlo.reduce")
+
+  assert reductions(_scatter("dgc", ratio=0.01)) < 2 * reductions(_scatter("dgc", ratio=0.01, warmup_steps=0))
+
+  def steps(tx):
+    state, outs = init_stacked(tx, params), []
+    for step in range(4):
+      out, state = run_pmap(tx, worker_grads(params, seed=step), state)
+      outs.append(out)
+    return outs, state
+
+  make = lambda: jaxcomp.staged([(0, _scatter("dgc", ratio=0.25, warmup_steps=0)),
+                                 (2, _scatter("dgc", ratio=0.05, warmup_steps=0))])
+  shared = steps(make())
+  monkeypatch.setattr(ScatterExchange, "exchange_stages", Exchange.exchange_stages)
+  whole = steps(make())
+  for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(whole), strict=True):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_psummed_methods_keep_their_all_reduce():

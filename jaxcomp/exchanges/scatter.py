@@ -103,6 +103,18 @@ class ScatterCodec:
     """What a chunk owner sends of its reduced chunk (the codec itself by default)."""
     return self
 
+  def prepare_stages(self, codecs, index, x, key, segs) -> Any:
+    """Work of ``encode`` that the codecs of a schedule's stages (``codecs``, this one first, all of
+    this type; ``index`` traced, the stage that runs) share, done once for chunk ``x``: DGC's
+    thresholds, with the running stage's ratio as data. None (the default): nothing shared."""
+    del codecs, index, x, key, segs
+    return None
+
+  def encode_prepared(self, x, prepared, key, segs):
+    """``encode(x, key, segs)`` given :meth:`prepare_stages`' result (None: encode from scratch)."""
+    del prepared
+    return self.encode(x, key, segs)
+
 
 class ScatterForm(abc.ABC):
   """Mixin of an exchange (not a :class:`~jaxcomp.core.protocol.CodecExchange`) that has a scatter form."""
@@ -168,6 +180,19 @@ class ScatterExchange(Exchange):
       payload = codec.encode(x, ctx.key, segs)
       local = codec.sent(x, payload, ctx.key, segs)
       return local, local, owner
+    return self._scatter(x, segs, owner, ctx, _Stages([codec], None))
+
+  def exchange_stages(self, stages, index, x, segs, extra, ctx):
+    """The scatter exchange of ``stages[index]``: the chunking, keys, owner residual and what the
+    stages' codecs share (:meth:`ScatterCodec.prepare_stages`) once; only each stage's payloads and
+    their collectives switched on the stage, in each phase."""
+    codecs = [ex.codec(ctx) for ex in stages]
+    if ctx.axis.name is None or len({type(c) for c in codecs}) > 1:
+      return super().exchange_stages(stages, index, x, segs, extra, ctx)
+    return self._scatter(x, segs, extra, ctx, _Stages(codecs, index))
+
+  def _scatter(self, x, segs, owner, ctx, stages: "_Stages"):
+    codec = stages.codecs[0]
     n, me, length = ctx.axis.size, ctx.axis.index, segs.length
     cs = layout.chunk_segments(segs, n, self.block, _traits(codec).leaf_segments)
     c = cs.length
@@ -175,26 +200,40 @@ class ScatterExchange(Exchange):
     base = key1 if codec.shared_key else jax.random.fold_in(key1, me)
     keys = jax.vmap(lambda j: jax.random.fold_in(base, j))(jnp.arange(n))
     rows = jnp.pad(x, (0, n * c - length)).reshape(n, c)
-    # phase 1: N chunk payloads, chunk j to worker j; worker me averages its chunk
-    payload = _batched(lambda r, k: codec.encode(r, k, cs), codec, rows, keys)
-    local = _batched(lambda r, p, k: codec.sent(r, p, k, cs), codec, rows, payload, keys).reshape(-1)[:length]
-    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), payload)
-    buffers = _batched(packing.to_bytes, codec, payload)
-    received = packing.Gathered(ops.alltoall(buffers, ctx.axis), like)
     dec_key = jax.random.fold_in(key1, me)  # the encode key of chunk me where keys are shared
-    mean = codec.aggregate(received, dec_key, cs, n)
+
+    def phase1(codec, prepared):
+      """N chunk payloads, chunk j to worker j: ``(this worker's mean chunk, what it sent)``."""
+      payload = _batched(lambda r, p, k: codec.encode_prepared(r, p, k, cs)
+                         if isinstance(codec, ScatterCodec) else codec.encode(r, k, cs),
+                         codec, rows, prepared, keys)
+      local = _batched(lambda r, p, k: codec.sent(r, p, k, cs), codec, rows, payload, keys)
+      like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), payload)
+      received = packing.Gathered(ops.alltoall(_batched(packing.to_bytes, codec, payload), ctx.axis), like)
+      mean = codec.aggregate(received, dec_key, cs, n).astype(jnp.float32)
+      return mean, local.reshape(-1)[:length]
+
+    prepared = _batched(lambda r, k: stages.prepare(r, k, cs), codec, rows, keys)
+    mean, local = stages.run(phase1, ctx, prepared)
     # phase 2: the owner's mean chunk, compressed again with its residual, to everyone
     codec2 = _owner(codec)  # a vote's ties need a third value
     start = me * c
     mine = lax.dynamic_slice_in_dim(jnp.pad(owner, (0, n * c - length)), start, c)
     # entries of no leaf (segment and bucket padding) hold nothing: a codec may decode them nonzero
     inside = lax.dynamic_slice_in_dim(jnp.pad(segs.valid(), (0, n * c - length)), start, c)
-    y = jnp.where(inside, mean.astype(jnp.float32), 0.0) + mine
+    y = jnp.where(inside, mean, 0.0) + mine
     keys2 = jax.vmap(lambda j: jax.random.fold_in(key2, j))(jnp.arange(n))
     key_me = jax.random.fold_in(key2, me)
-    payload2 = codec2.encode(y, key_me, cs)
-    gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload2), ctx.axis), payload2)
-    chunks = _batched(lambda p, k: codec2.decode(p, k, cs), codec2, gathered, keys2).astype(jnp.float32)
+
+    def phase2(codec, prepared):
+      """The owner's payload to everyone: every worker's decode of the N mean chunks ``(N, C)``."""
+      codec2 = _owner(codec)
+      payload2 = (codec2.encode_prepared(y, prepared, key_me, cs) if isinstance(codec2, ScatterCodec)
+                  else codec2.encode(y, key_me, cs))
+      gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload2), ctx.axis), payload2)
+      return _batched(lambda p, k: codec2.decode(p, k, cs), codec2, gathered, keys2).astype(jnp.float32)
+
+    chunks = stages.run(phase2, ctx, stages.owners().prepare(y, key_me, cs))
     out = chunks.reshape(-1)[:length]
     sent = lax.dynamic_index_in_dim(chunks, me, keepdims=False)  # what every worker applied of chunk me
     if _traits(codec2).selects:
@@ -215,6 +254,30 @@ class ScatterExchange(Exchange):
                        " workers; pass workers=N (jaxcomp.wire_bytes(tx, params, workers=N))")
     first, second = chunk_payload_bytes(self, segs, workers)
     return workers * first + second
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stages:
+  """The codecs of a schedule's stages in one scatter exchange (one codec and ``index`` None: no schedule)."""
+
+  codecs: list
+  index: Any
+
+  def prepare(self, x, key, segs):
+    head = self.codecs[0]
+    if self.index is None or not isinstance(head, ScatterCodec):
+      return None
+    return head.prepare_stages(self.codecs, self.index, x, key, segs)
+
+  def owners(self) -> "_Stages":
+    return _Stages([_owner(c) for c in self.codecs], self.index)
+
+  def run(self, phase, ctx, prepared):
+    """``phase(codec, prepared)`` of the running stage's codec: a ``lax.switch`` over the stages."""
+    if self.index is None:
+      return phase(self.codecs[0], prepared)
+    branches = [lambda p, c=c: ops.varying(phase(c, p), ctx.axis) for c in self.codecs]
+    return lax.switch(self.index, branches, prepared)
 
 
 def chunk_payload_bytes(ex: ScatterExchange, segs: layout.Segments, workers: int) -> tuple:

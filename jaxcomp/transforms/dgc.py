@@ -219,6 +219,22 @@ class DGCCodec(Codec, ScatterCodec):
   def encode(self, x, key, segs):
     return self.exchange.encode(x, key, self.ratio, segs)
 
+  def prepare_stages(self, codecs, index, x, key, segs):
+    """The thresholds of the running stage, estimated once (its ratio and sample bounds as data), as
+    :meth:`DGCExchange.exchange_stages` does; None where the stages' sample ratios differ."""
+    exchanges = [c.exchange for c in codecs]
+    if any(ex.sample_ratio != self.exchange.sample_ratio for ex in exchanges):
+      return None
+    ratio = jnp.stack([c.ratio for c in codecs])[index]
+    bounds = jnp.asarray(np.stack([sample_bounds(segs, ex.max_ratio, ex.sample_ratio) for ex in exchanges]))
+    return self.exchange.thresholds(x, key, ratio, segs, bounds[index])
+
+  def encode_prepared(self, x, prepared, key, segs):
+    if prepared is None:
+      return self.encode(x, key, segs)
+    a, thr = prepared
+    return self.exchange.payload(x, a, thr, key, segs)
+
   def decode(self, payload, key, segs):
     return sparse_decode(*payload, segs.length)
 
