@@ -169,19 +169,24 @@ def test_bad_arguments_are_named():
     jaxcomp.staged([(0, tx), (10, jaxcomp.topk(axis_name=AXIS))])
 
 
-def test_dgc_warmup_stages_share_their_thresholds_under_scatter(monkeypatch):
-  """DGC's warm-up stages estimate their thresholds once per phase (the stage's ratio as data), as the
-  gather does, and switch only on the payloads: the staged program holds fewer than twice one stage's
-  reductions (whole stages switched: 105 against 27), and steps through the stages bit for bit as
-  whole stages switched do."""
+@pytest.mark.parametrize("name", ["dgc", "redsync"])
+def test_stages_share_their_selection_search_under_scatter(name, monkeypatch):
+  """The stages of a schedule (DGC's warm-up, a ratio schedule of RedSync) estimate their thresholds
+  once per phase, the running stage's ratio as data, as the gather does, and switch only on the
+  payloads: a second stage adds a few reductions to one stage's 27 (whole stages switched: 26 more), and
+  the staged exchange steps through the stages bit for bit as whole stages switched do."""
   params = params_tree()
+  kw = {"warmup_steps": 0} if name == "dgc" else {}
+  make = lambda: jaxcomp.staged([(0, _scatter(name, ratio=0.25, **kw)),
+                                 (2, _scatter(name, ratio=0.05, **kw))])
 
   def reductions(tx):
     step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)
     return step.lower(jaxcomp.per_worker(params, N), init_stacked(tx, params)).as_text().count(
         "stablehlo.reduce")
 
-  assert reductions(_scatter("dgc", ratio=0.01)) < 2 * reductions(_scatter("dgc", ratio=0.01, warmup_steps=0))
+  one = reductions(_scatter(name, ratio=0.05, **kw))
+  assert reductions(make()) - one < one / 4  # the second stage adds its payload's, not a search's
 
   def steps(tx):
     state, outs = init_stacked(tx, params), []
@@ -190,8 +195,6 @@ def test_dgc_warmup_stages_share_their_thresholds_under_scatter(monkeypatch):
       outs.append(out)
     return outs, state
 
-  make = lambda: jaxcomp.staged([(0, _scatter("dgc", ratio=0.25, warmup_steps=0)),
-                                 (2, _scatter("dgc", ratio=0.05, warmup_steps=0))])
   shared = steps(make())
   monkeypatch.setattr(ScatterExchange, "exchange_stages", Exchange.exchange_stages)
   whole = steps(make())

@@ -241,6 +241,20 @@ class RedSyncCodec(Codec, ScatterCodec):
   def encode(self, x, key, segs):
     return self.exchange.encode(x, segs, None)[0]
 
+  def prepare_stages(self, codecs, index, x, key, segs):
+    """One binary search for the running stage (its k and capacity as data), as
+    :meth:`RedSyncExchange.exchange_stages` does; None for the trimmed top-k or mixed settings."""
+    exchanges = [c.exchange for c in codecs]
+    if any((ex.selection, ex.quantize) != ("binary_search", self.exchange.quantize) for ex in exchanges):
+      return None
+    return selection.segment_search_stages(x, segs, [ex.ks(segs) for ex in exchanges], index)[0]
+
+  def encode_prepared(self, x, prepared, key, segs):
+    if prepared is None:
+      return self.encode(x, key, segs)
+    idx, _ = compaction.compact(prepared, segs.length, int(self.exchange.caps(segs).sum()))
+    return self.exchange.payload(x, idx, segs)
+
   def decode(self, payload, key, segs):
     return self.exchange.decode(payload, segs)
 
