@@ -146,6 +146,13 @@ def scatter_codec(exchange: Exchange, ctx) -> Codec | None:
   return None
 
 
+def _encode(codec: Codec, x, prepared, key, segs):
+  """``codec.encode``, given what a schedule's stages prepared (:meth:`ScatterCodec.encode_prepared`)."""
+  if isinstance(codec, ScatterCodec):
+    return codec.encode_prepared(x, prepared, key, segs)
+  return codec.encode(x, key, segs)
+
+
 def _batched(fn, codec, *args):
   """``fn`` over the leading axis of ``args``: vmapped, or ``lax.map`` for codecs that are not vmappable."""
   if _traits(codec).vmappable:
@@ -204,9 +211,7 @@ class ScatterExchange(Exchange):
 
     def phase1(codec, prepared):
       """N chunk payloads, chunk j to worker j: ``(this worker's mean chunk, what it sent)``."""
-      payload = _batched(lambda r, p, k: codec.encode_prepared(r, p, k, cs)
-                         if isinstance(codec, ScatterCodec) else codec.encode(r, k, cs),
-                         codec, rows, prepared, keys)
+      payload = _batched(lambda r, p, k: _encode(codec, r, p, k, cs), codec, rows, prepared, keys)
       local = _batched(lambda r, p, k: codec.sent(r, p, k, cs), codec, rows, payload, keys)
       like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), payload)
       received = packing.Gathered(ops.alltoall(_batched(packing.to_bytes, codec, payload), ctx.axis), like)
@@ -228,8 +233,7 @@ class ScatterExchange(Exchange):
     def phase2(codec, prepared):
       """The owner's payload to everyone: every worker's decode of the N mean chunks ``(N, C)``."""
       codec2 = _owner(codec)
-      payload2 = (codec2.encode_prepared(y, prepared, key_me, cs) if isinstance(codec2, ScatterCodec)
-                  else codec2.encode(y, key_me, cs))
+      payload2 = _encode(codec2, y, prepared, key_me, cs)
       gathered = packing.from_bytes(ops.allgather(packing.to_bytes(payload2), ctx.axis), payload2)
       return _batched(lambda p, k: codec2.decode(p, k, cs), codec2, gathered, keys2).astype(jnp.float32)
 
