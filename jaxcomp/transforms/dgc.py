@@ -180,6 +180,14 @@ class DGCExchange(Exchange, ScatterForm):
       return local, local
     return sparse_mean(ops.allgather_payload(payload, ctx.axis), n, ctx.axis.size), local
 
+  def stage_thresholds(self, stages, ratios, index, x, key, segs: Segments):
+    """:meth:`thresholds` of ``stages[index]`` (this one first; ``ratios`` theirs), estimated once with
+    the stage's ratio and sample bounds as data; None where the stages' sample ratios differ."""
+    if any(ex.sample_ratio != self.sample_ratio for ex in stages):
+      return None
+    bounds = jnp.asarray(np.stack([sample_bounds(segs, ex.max_ratio, ex.sample_ratio) for ex in stages]))
+    return self.thresholds(x, key, jnp.stack(ratios)[index], segs, bounds[index])
+
   def exchange_stages(self, stages, index, x, segs, extra, ctx: StepContext):
     """The exchange of ``stages[index]`` (DGC exchanges of a warm-up, this one first).
 
@@ -187,12 +195,11 @@ class DGCExchange(Exchange, ScatterForm):
     estimated once with the stage's ratio as data, and only the selection,
     payload and all-gather (each stage's own capacity) are switched on the stage.
     """
-    if any(ex.sample_ratio != self.sample_ratio for ex in stages):
-      return super().exchange_stages(stages, index, x, segs, extra, ctx)
     key = jax.random.fold_in(ctx.key, ctx.axis.index)
-    ratio = jnp.stack([ex.ratio(ctx.count) for ex in stages])[index]
-    bounds = jnp.asarray(np.stack([sample_bounds(segs, ex.max_ratio, ex.sample_ratio) for ex in stages]))
-    a, thr = self.thresholds(x, key, ratio, segs, bounds[index])
+    shared = self.stage_thresholds(stages, [ex.ratio(ctx.count) for ex in stages], index, x, key, segs)
+    if shared is None:
+      return super().exchange_stages(stages, index, x, segs, extra, ctx)
+    a, thr = shared
 
     def send(ex):
       return ops.varying(self._send(x, ex.payload(x, a, thr, key, segs), segs, ctx), ctx.axis)
@@ -222,12 +229,8 @@ class DGCCodec(Codec, ScatterCodec):
   def prepare_stages(self, codecs, index, x, key, segs):
     """The thresholds of the running stage, estimated once (its ratio and sample bounds as data), as
     :meth:`DGCExchange.exchange_stages` does; None where the stages' sample ratios differ."""
-    exchanges = [c.exchange for c in codecs]
-    if any(ex.sample_ratio != self.exchange.sample_ratio for ex in exchanges):
-      return None
-    ratio = jnp.stack([c.ratio for c in codecs])[index]
-    bounds = jnp.asarray(np.stack([sample_bounds(segs, ex.max_ratio, ex.sample_ratio) for ex in exchanges]))
-    return self.exchange.thresholds(x, key, ratio, segs, bounds[index])
+    return self.exchange.stage_thresholds([c.exchange for c in codecs], [c.ratio for c in codecs], index, x,
+                                          key, segs)
 
   def encode_prepared(self, x, prepared, key, segs):
     if prepared is None:
