@@ -88,6 +88,16 @@ def test_what_a_sparse_method_sent_is_not_a_decoded_bucket(name):
   assert ratio <= 1.5, (name, ratio)
 
 
+def test_a_warm_up_switch_hands_out_the_mean_and_a_byte_mask_of_what_was_sent():
+  # DGC's default warm-up (five stages, one lax.switch): each stage's branch handed out the mean and
+  # what was sent as float32 buckets, one more than the first stage alone holds (its temporaries 2.00
+  # buckets above that stage's on this leaf); what was sent now leaves the switch as a byte mask (1.25).
+  bucket = 4 * LEAF["w"].size
+  staged = _pmap_temp_bytes(jaxcomp.dgc(axis_name="data"), params=LEAF)
+  first = _pmap_temp_bytes(jaxcomp.dgc(0.25, axis_name="data", warmup_steps=0), params=LEAF)
+  assert (staged - first) / bucket <= 1.5, (staged - first) / bucket
+
+
 def test_zeros_after_are_positive_zeros_whatever_the_entry_they_wait_for():
   import numpy as np
 

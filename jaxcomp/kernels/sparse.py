@@ -79,10 +79,13 @@ def kept(x: jax.Array, positions: jax.Array) -> jax.Array:
   The mask (a byte per entry, made after ``positions`` as :func:`zeros_after` makes its zeros)
   and the select fuse into the residual's update: no decoded bucket of float32 is written.
   """
-  n = x.shape[0]
+  return jnp.where(sent_mask(x.shape[0], positions), x, 0.0)
+
+
+def sent_mask(n: int, positions: jax.Array) -> jax.Array:
+  """bool ``(n,)``: True at ``positions`` (those ``>= n`` dropped), made after them (:func:`kept`'s mask)."""
   zero = zeros_after(1, positions) if positions.size else jnp.zeros((1,), jnp.float32)
-  mask = jnp.broadcast_to(zero != 0.0, (n,)).at[positions].set(True, mode="drop")
-  return jnp.where(mask, x, 0.0)
+  return jnp.broadcast_to(zero != 0.0, (n,)).at[positions].set(True, mode="drop")
 
 
 def sparse_kept(x: jax.Array, payload, n: int) -> jax.Array:
