@@ -18,7 +18,7 @@ from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import Codec, Exchange, Memory, StepContext, flat_route
 from jaxcomp.exchanges.scatter import ScatterCodec, ScatterForm
 from jaxcomp.kernels import compaction, selection
-from jaxcomp.kernels.sparse import scatter_mean, zeros_after
+from jaxcomp.kernels.sparse import scatter_mean, sent_mask, zeros_after
 from jaxcomp.transforms import _args
 from jaxcomp.transforms.threshold import BLOCK
 
@@ -141,11 +141,19 @@ class RedSyncExchange(Exchange, ScatterForm):
     words, found, caps = selection.segment_search_stages(x, segs, [ex.ks(segs) for ex in stages], index,
                                                          thresholds)
 
+    n = segs.length
+
     def send(cap):
-      idx, _ = compaction.compact(words, segs.length, cap)
-      return ops.varying(self._send(self.payload(x, idx, segs), segs, ctx), ctx.axis)
+      idx, _ = compaction.compact(words, n, cap)
+      mean, local = self._send(self.payload(x, idx, segs), segs, ctx)
+      if self.quantize:  # what was sent is the side means, not x's values
+        return ops.varying((mean, local), ctx.axis)
+      # the mean and a byte mask of what was sent: a float32 bucket fewer out of the switch
+      return ops.varying((mean, sent_mask(n, idx)), ctx.axis)
 
     mean, local = lax.switch(index, [lambda cap=cap: send(cap) for cap in caps])
+    if not self.quantize:  # the decode of x's own values at distinct positions: x + 0.0 there, +0.0 elsewhere
+      local = jnp.where(local, x + 0.0, 0.0)
     return mean, local, self._carried(found, thresholds)
 
   def mean(self, gathered: packing.Gathered, segs: Segments, num: int) -> jax.Array:
