@@ -1,12 +1,12 @@
-"""Temporaries of DGC's warm-up: the compiled 8-worker step of each stage alone, of the whole warm-up
-and of its scatter form, against the dense step's.
+"""Temporaries of DGC's and RedSync's warm-ups: the compiled 8-worker step of each stage alone, of the
+whole warm-up and of its scatter form, against the dense step's.
 
 DGC's default warm-up sends 25%, 6.25%, 1.56%, 0.39% and then 0.1% of the entries (five stages, one
 ``lax.switch``). Under ``transport="gather"`` every worker receives every worker's payload: at 25%
 density with 1.3x capacity and 8 workers that buffer alone is several times the gradient. This
 prints, for one 4096 x 4096 leaf (or ``--shape``), the temporary bytes of the compiled pmap step
 (state donated, ``jaxcomp_bench.kernels.step_memory``) of each configuration and their ratio to the
-dense step's.
+dense step's. RedSync's recipe warms up the same way (25% first), and its capacity is twice its k.
 
 Usage: ``python benchmarks/warmup_memory.py [--shape 4096,4096] [--workers 8]``.
 """
@@ -25,6 +25,10 @@ def rows(shape, workers: int = 8) -> dict:
            "dgc (default warm-up, scatter)": jaxcomp.dgc(axis_name="data", transport="scatter")}
   for ratio in (0.25, 0.0625, 0.015625, 0.00390625, 0.001):
     cases[f"dgc {ratio:g} alone, gather"] = jaxcomp.dgc(ratio, axis_name="data", warmup_steps=0)
+  recipe = jaxcomp.recipe_method("redsync", axis_name="data")
+  cases["redsync's recipe (warm-up, gather)"] = recipe
+  cases["redsync's recipe after its warm-up"] = jaxcomp.steady(recipe)
+  cases["redsync 0.25 alone, gather"] = jaxcomp.redsync(0.25, axis_name="data")
   return {name: step_memory(tx, [tuple(shape)], workers)["temp"] for name, tx in cases.items()}
 
 
@@ -45,9 +49,9 @@ def main(argv=None) -> None:
   got = rows(shape, args.workers)
   dense = got.pop("dense")
   print(f"one {args.shape} leaf, {args.workers} workers; dense step: {dense / 2**20:.1f} MiB")
-  print(f"{'configuration':34s} {'temp MiB':>9s} {'x dense':>8s}")
+  print(f"{'configuration':36s} {'temp MiB':>9s} {'x dense':>8s}")
   for name, temp in got.items():
-    print(f"{name:34s} {temp / 2**20:9.1f} {temp / dense:8.2f}", flush=True)
+    print(f"{name:36s} {temp / 2**20:9.1f} {temp / dense:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""benchmarks/warmup_memory.py: the temporaries of DGC's warm-up, stage by stage and as one switch."""
+"""benchmarks/warmup_memory.py: the temporaries of DGC's and RedSync's warm-ups, stage by stage and as one
+switch."""
 
 import pytest
 from harness import benchmark_script
@@ -13,6 +14,8 @@ def test_the_first_stage_sets_the_warm_ups_temporaries():
   assert first >= got["dgc 0.0625 alone, gather"] >= got["dgc 0.001 alone, gather"]
   assert first <= whole <= first + 1.5 * bucket  # the switch adds the mean and a byte mask, no more
   assert got["dgc (default warm-up, scatter)"] < whole
+  first, whole = got["redsync 0.25 alone, gather"], got["redsync's recipe (warm-up, gather)"]
+  assert got["redsync's recipe after its warm-up"] < first and whole > 4 * got["dense"]
 
 
 @pytest.mark.parametrize("argv", [["--shape", "4096,x"], ["--shape", "0,4"], ["--workers", "9"]])
