@@ -283,7 +283,11 @@ def dgc(ratio: float | Schedule = 0.001, *, axis_name: AxisName = None, momentum
       (:func:`jaxcomp.warmup_stages`, four equal stages). None (default) means
       1000 steps with a float ratio (the paper warms up over 4 epochs: set 4
       epochs' worth of steps when you know them) and none with a schedule;
-      0 disables it.
+      0 disables it. Under ``transport="gather"`` the first stage's step
+      receives every worker's payload (1.3 x 25% of the entries, values and
+      positions): its temporaries grow with the number of workers, several
+      times the gradient's size on 8; ``transport="scatter"`` keeps them flat in
+      it (figures: ``benchmarks/warmup_memory.py``).
     max_ratio: the largest ratio a schedule produces, in (0, 1]; sizes the
       payload. Only with a schedule.
     clip_norm: local gradient clipping threshold (> 0, an absolute global
