@@ -14,22 +14,29 @@ Usage: ``python benchmarks/warmup_memory.py [--shape 4096,4096] [--workers 8]``.
 import argparse
 
 
-def rows(shape, workers: int = 8) -> dict:
-  """``{configuration: temporary bytes}`` of the compiled ``workers``-worker step on one leaf of ``shape``,
-  "dense" included."""
+def configurations() -> dict:
+  """``{name: () -> transformation}``: the dense step, DGC's and RedSync's warm-ups and their stages."""
   import jaxcomp
+
+  out = {"dense": lambda: jaxcomp.none(axis_name="data"),
+         "dgc (default warm-up, gather)": lambda: jaxcomp.dgc(axis_name="data"),
+         "dgc (default warm-up, scatter)": lambda: jaxcomp.dgc(axis_name="data", transport="scatter")}
+  for ratio in (0.25, 0.0625, 0.015625, 0.00390625, 0.001):
+    out[f"dgc {ratio:g} alone, gather"] = lambda r=ratio: jaxcomp.dgc(r, axis_name="data", warmup_steps=0)
+  recipe = lambda: jaxcomp.recipe_method("redsync", axis_name="data")
+  out["redsync's recipe (warm-up, gather)"] = recipe
+  out["redsync's recipe after its warm-up"] = lambda: jaxcomp.steady(recipe())
+  out["redsync 0.25 alone, gather"] = lambda: jaxcomp.redsync(0.25, axis_name="data")
+  return out
+
+
+def rows(shape, workers: int = 8, names=None) -> dict:
+  """``{name: temporary bytes}`` of the compiled ``workers``-worker step on one leaf of ``shape``, for
+  ``names`` of :func:`configurations` (None: all of them)."""
   from jaxcomp_bench.kernels import step_memory
 
-  cases = {"dense": jaxcomp.none(axis_name="data"),
-           "dgc (default warm-up, gather)": jaxcomp.dgc(axis_name="data"),
-           "dgc (default warm-up, scatter)": jaxcomp.dgc(axis_name="data", transport="scatter")}
-  for ratio in (0.25, 0.0625, 0.015625, 0.00390625, 0.001):
-    cases[f"dgc {ratio:g} alone, gather"] = jaxcomp.dgc(ratio, axis_name="data", warmup_steps=0)
-  recipe = jaxcomp.recipe_method("redsync", axis_name="data")
-  cases["redsync's recipe (warm-up, gather)"] = recipe
-  cases["redsync's recipe after its warm-up"] = jaxcomp.steady(recipe)
-  cases["redsync 0.25 alone, gather"] = jaxcomp.redsync(0.25, axis_name="data")
-  return {name: step_memory(tx, [tuple(shape)], workers)["temp"] for name, tx in cases.items()}
+  made = configurations()
+  return {name: step_memory(made[name](), [tuple(shape)], workers)["temp"] for name in names or made}
 
 
 def main(argv=None) -> None:
