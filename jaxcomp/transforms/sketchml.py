@@ -23,6 +23,7 @@ from jaxcomp.core.builder import build
 from jaxcomp.core.layout import Segments
 from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.exchanges.scatter import ScatterCodec
 from jaxcomp.kernels import rng
 from jaxcomp.transforms import _args
 
@@ -81,7 +82,7 @@ _COARSE = 32  # SketchML's search: split points compared directly before the bin
 
 
 @dataclasses.dataclass(frozen=True)
-class SketchCodec(Codec):
+class SketchCodec(Codec, ScatterCodec):
   """Payload: ``q`` float32 bucket means per segment and one packed bucket index per entry.
 
   ``q = min(buckets, n)`` for a segment of ``n`` entries; the means of all
@@ -93,6 +94,7 @@ class SketchCodec(Codec):
   sample_size: int
   block = 128
   carries_nonfinite = True  # a NaN/Inf entry's own bin sum (a bin of its segment), so its mean, is too
+  vmappable = False  # transport="scatter": one chunk after another (a batched sort and gather cost more)
 
   def num_buckets(self, segs: Segments) -> np.ndarray:
     """q of each segment (int64 (S,))."""
