@@ -172,15 +172,17 @@ class DGCExchange(Exchange, ScatterForm):
 
   def exchange(self, x, segs, extra, ctx: StepContext):
     payload = self.encode(x, jax.random.fold_in(ctx.key, ctx.axis.index), self.ratio(ctx.count), segs)
-    return self._send(x, payload, segs, ctx) + (extra,)
+    mean, mask = self._send(x, payload, segs, ctx)
+    return mean, jnp.where(mask, x, 0.0), extra
 
   def _send(self, x, payload, segs, ctx: StepContext):
-    """``(mean, sent)`` of a payload: all-gathered and averaged; ``sent`` what left this worker."""
+    """``(mean, mask)`` of a payload: all-gathered and averaged; what left this worker is ``x`` where the
+    byte mask is set (a switch over stages hands the mask out, a float32 bucket fewer)."""
     n = segs.length
-    local = sparse_kept(x, payload, n)
+    mask = sent_mask(n, valid_indices(payload[1], payload[2], n))
     if ctx.axis.name is None:
-      return local, local
-    return sparse_mean(ops.allgather_payload(payload, ctx.axis), n, ctx.axis.size), local
+      return jnp.where(mask, x, 0.0), mask
+    return sparse_mean(ops.allgather_payload(payload, ctx.axis), n, ctx.axis.size), mask
 
   def stage_thresholds(self, stages, ratios, index, x, key, segs: Segments):
     """:meth:`thresholds` of ``stages[index]`` (this one first; ``ratios`` theirs), estimated once with
@@ -203,15 +205,8 @@ class DGCExchange(Exchange, ScatterForm):
       return super().exchange_stages(stages, index, x, segs, extra, ctx)
     a, thr = shared
 
-    n = segs.length
-
-    def send(ex):  # the mean and a byte mask of what was sent: a float32 bucket fewer out of the switch
-      payload = ex.payload(x, a, thr, key, segs)
-      mask = sent_mask(n, valid_indices(payload[1], payload[2], n))
-      if ctx.axis.name is None:
-        return ops.varying((jnp.where(mask, x, 0.0), mask), ctx.axis)
-      mean = sparse_mean(ops.allgather_payload(payload, ctx.axis), n, ctx.axis.size)
-      return ops.varying((mean, mask), ctx.axis)
+    def send(ex):
+      return ops.varying(self._send(x, ex.payload(x, a, thr, key, segs), segs, ctx), ctx.axis)
 
     mean, mask = lax.switch(index, [lambda ex=ex: send(ex) for ex in stages])
     return mean, jnp.where(mask, x, 0.0), extra
