@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp
 
 VOCAB, WIDTH, HIDDEN, CONTEXT, ROWS = 64, 64, 256, 16, 16
+LR = 3e-3
 
 
 class Block(nnx.Module):
@@ -76,7 +77,7 @@ def _own(mesh, method, steps):
     model = Model(nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
   specs = nnx.get_partition_spec(params)
-  tx = jaxcomp.on_shards(optax.chain(method, optax.adamw(3e-3)), mesh, specs, "dcn")
+  tx = jaxcomp.on_shards(optax.chain(method, optax.adamw(LR)), mesh, specs, "dcn")
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   grad_fn = jaxcomp.per_slice(jax.value_and_grad(lambda p, b: loss_fn(graphdef, p, b)), mesh, "dcn")
 
@@ -97,7 +98,7 @@ def _plain(mesh, steps):
   with jax.set_mesh(mesh):
     model = Model(nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
-  tx = optax.adamw(3e-3)
+  tx = optax.adamw(LR)
   state = tx.init(params)
 
   @jax.jit
@@ -120,7 +121,9 @@ def test_none_equals_plain_adamw_under_gspmd(mesh):
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   got = nnx.state(model, nnx.Param)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    # AdamW moves an entry by lr * g / (|g| + 1e-8): where |g| is near its eps (4.7e-9 on one entry
+    # of the first step), the two sums' rounding of g moves the entry by up to a percent of lr.
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-2 * LR)
 
 
 def test_topk_trains_and_keeps_the_annotated_shardings(mesh):
