@@ -1,0 +1,112 @@
+"""What "one program per method for all its buckets" could save: a method's buckets against copies of one.
+
+XLA:CPU compiles each distinct fusion as its own kernel and compiles identical fusions once. A
+method's buckets differ in their length and segment layout, so each compiles its own kernels;
+buckets of one length whose per-segment tables were data would compile the same kernels. This
+script measures that ceiling on a real model's shapes, with the method's own exchange (no
+collective: ``axis_name=None``), one program per column:
+
+- ``one``: the method's largest bucket alone;
+- ``model``: every bucket of that exchange as the model lays them out (what ``jaxcomp.build``
+  compiles today, less packing the leaves and cutting them out again);
+- ``copies``: as many copies of the largest bucket (identical kernels: the redesign's ceiling);
+- ``map``: one ``lax.map`` over the copies stacked (one loop body).
+
+Prints the fastest of ``--reps`` compiles (lowering included) of each. A method whose exchanges
+are fused across buckets (ACP-SGD) is refused.
+
+Usage: ``python benchmarks/compile_copies.py [--methods topk,sbc] [--model resnet50] [--reps 2]
+[--leaves N] [--bucket-bytes B]``.
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("PJRT_NPROC", "16")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jaxcomp  # noqa: E402
+from jaxcomp.collectives.axis import current_axis  # noqa: E402
+from jaxcomp.core.protocol import StepContext  # noqa: E402
+
+MODELS = ("resnet50", "bert-base")
+
+
+def buckets(name: str, leaves, bucket_bytes: int | None = None) -> list:
+  """The buckets of ``name``'s steady method that share the exchange of its largest bucket."""
+  kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+  method = jaxcomp.steady(jaxcomp.METHODS[name](axis_name=None, **kwargs)).settings.method
+  if method.fused is not None:
+    raise SystemExit(f"{name}: its exchanges are fused across buckets; choose another method")
+  every = method.buckets(leaves)
+  largest = max(every, key=lambda b: b.length)
+  return [b for b in every if b.exchange == largest.exchange]
+
+
+def _run(bucket, x, key):
+  """The mean of one bucket through its exchange (local round trip, step 5)."""
+  ex, segs = bucket.exchange, bucket.segments
+  ctx = StepContext(current_axis(None), key, jnp.int32(5), jnp.uint32(5))
+  mean, _, _ = ex.exchange(x, segs, ex.init_bucket(segs, key), ctx)
+  return mean
+
+
+def forms(group: list) -> dict:
+  """``{column: (function, arguments)}``: the four programs of :func:`main` for the buckets ``group``."""
+  big = max(group, key=lambda b: b.length)
+  n = len(group)
+  key = jax.random.PRNGKey(0)
+  vec = lambda b: jax.ShapeDtypeStruct((b.length,), jnp.float32)
+  fold = lambda k, i: jax.random.fold_in(k, i)
+  return {
+      "one": (lambda x, k: _run(big, x, k), (vec(big), key)),
+      "model": (lambda xs, k: [_run(b, x, fold(k, i)) for i, (b, x) in enumerate(zip(group, xs))],
+                ([vec(b) for b in group], key)),
+      "copies": (lambda xs, k: [_run(big, x, fold(k, i)) for i, x in enumerate(xs)], ([vec(big)] * n, key)),
+      "map": (lambda xs, k: jax.lax.map(lambda a: _run(big, *a), (xs, jax.random.split(k, n))),
+              (jax.ShapeDtypeStruct((n, big.length), jnp.float32), key)),
+  }
+
+
+def seconds(fn, arguments, reps: int) -> float:
+  best = float("inf")
+  for _ in range(reps):
+    jax.clear_caches()  # compile anew each time: no cached lowering or executable
+    t = time.perf_counter()
+    jax.jit(fn).lower(*arguments).compile()
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--methods", default="topk,sbc,dgc,powersgd,qsgd", help="comma-separated methods")
+  parser.add_argument("--model", default="resnet50", help="resnet50 or bert-base")
+  parser.add_argument("--reps", type=int, default=2, help="compiles per program; the fastest is printed")
+  parser.add_argument("--leaves", type=int, default=None, help="only the model's first N gradients")
+  parser.add_argument("--bucket-bytes", type=int, default=None,
+                      help="the methods' bucket_bytes (default 25 MiB)")
+  args = parser.parse_args(argv)
+  from jaxcomp_bench import shapes as shp
+
+  names = [m for m in args.methods.split(",") if m]
+  unknown = [m for m in names if m not in jaxcomp.METHODS]
+  if not names or unknown or args.model not in MODELS or args.reps < 1 or (args.leaves or 1) < 1 \
+      or (args.bucket_bytes or 1) < 1:
+    raise SystemExit(f"--methods takes names of jaxcomp.METHODS (unknown: {unknown}), --model one of"
+                     f" {MODELS}, --reps, --leaves and --bucket-bytes positive integers")
+  leaves = shp.abstract(shp.MODELS[args.model]()[:args.leaves])
+  print(f"jax {jax.__version__} ({jax.default_backend()}); {args.model}; seconds to lower and compile,"
+        f" fastest of {args.reps}")
+  print(f"{'method':<10} {'buckets':>7} {'one':>6} {'model':>7} {'copies':>7} {'map':>6}")
+  for name in names:
+    group = buckets(name, leaves, args.bucket_bytes)
+    row = [seconds(fn, arguments, args.reps) for fn, arguments in forms(group).values()]
+    print(f"{name:<10} {len(group):>7} {row[0]:6.2f} {row[1]:7.2f} {row[2]:7.2f} {row[3]:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
