@@ -9,7 +9,11 @@ collective: ``axis_name=None``), one program per column:
 - ``one``: the method's largest bucket alone;
 - ``model``: every bucket of that exchange as the model lays them out (what ``jaxcomp.build``
   compiles today, less packing the leaves and cutting them out again);
-- ``copies``: as many copies of the largest bucket (identical kernels: the redesign's ceiling);
+- ``equal``: the model's buckets, each zero-padded at its end (the padding cut into segments of
+  the exchange's block) to one length and one number of segments: the same
+  shapes, their per-segment tables still constants of each bucket (``-`` for a method whose
+  segments are matrices, as PowerSGD's);
+- ``copies``: as many copies of the largest bucket (identical kernels: what tables as data would give);
 - ``map``: one ``lax.map`` over the copies stacked (one loop body).
 
 Prints the fastest of ``--reps`` compiles (lowering included) of each. A method whose exchanges
@@ -20,6 +24,7 @@ Usage: ``python benchmarks/compile_copies.py [--methods topk,sbc] [--model resne
 """
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -30,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxcomp  # noqa: E402
 from jaxcomp.collectives.axis import current_axis  # noqa: E402
+from jaxcomp.core.layout import Segments  # noqa: E402
 from jaxcomp.core.protocol import StepContext  # noqa: E402
 
 MODELS = ("resnet50", "bert-base")
@@ -46,6 +52,25 @@ def buckets(name: str, leaves, bucket_bytes: int | None = None) -> list:
   return [b for b in every if b.exchange == largest.exchange]
 
 
+def equalized(group: list) -> list | None:
+  """``group``'s buckets zero-padded at their ends to one length and one number of segments (the
+  padding cut into segments of the exchange's block), or None when a bucket's segments are not flat."""
+  if any(len(v) != 1 for b in group for v in b.segments.views):
+    return None
+  unit = group[0].segments.block  # every segment starts at a multiple of it
+  count = max(b.segments.count for b in group) + 1
+  length = max(b.length for b in group) + count * unit
+  out = []
+  for b in group:
+    segs, need = b.segments, count - b.segments.count
+    sizes = [unit] * (need - 1) + [length - segs.length - unit * (need - 1)]
+    offsets = [segs.length + unit * i for i in range(need)]
+    out.append(dataclasses.replace(b, segments=Segments(
+        segs.offsets + tuple(offsets), segs.sizes + tuple(sizes), segs.views + tuple((n,) for n in sizes),
+        segs.block)))
+  return out
+
+
 def _run(bucket, x, key):
   """The mean of one bucket through its exchange (local round trip, step 5)."""
   ex, segs = bucket.exchange, bucket.segments
@@ -55,16 +80,19 @@ def _run(bucket, x, key):
 
 
 def forms(group: list) -> dict:
-  """``{column: (function, arguments)}``: the four programs of :func:`main` for the buckets ``group``."""
+  """``{column: (function, arguments)}``: the programs of :func:`main` for the buckets ``group``."""
   big = max(group, key=lambda b: b.length)
   n = len(group)
   key = jax.random.PRNGKey(0)
   vec = lambda b: jax.ShapeDtypeStruct((b.length,), jnp.float32)
   fold = lambda k, i: jax.random.fold_in(k, i)
+  each = lambda g: (lambda xs, k: [_run(b, x, fold(k, i)) for i, (b, x) in enumerate(zip(g, xs))],
+                    ([vec(b) for b in g], key))
+  equal = equalized(group)
   return {
       "one": (lambda x, k: _run(big, x, k), (vec(big), key)),
-      "model": (lambda xs, k: [_run(b, x, fold(k, i)) for i, (b, x) in enumerate(zip(group, xs))],
-                ([vec(b) for b in group], key)),
+      "model": each(group),
+      "equal": None if equal is None else each(equal),
       "copies": (lambda xs, k: [_run(big, x, fold(k, i)) for i, x in enumerate(xs)], ([vec(big)] * n, key)),
       "map": (lambda xs, k: jax.lax.map(lambda a: _run(big, *a), (xs, jax.random.split(k, n))),
               (jax.ShapeDtypeStruct((n, big.length), jnp.float32), key)),
@@ -101,11 +129,12 @@ def main(argv=None) -> None:
   leaves = shp.abstract(shp.MODELS[args.model]()[:args.leaves])
   print(f"jax {jax.__version__} ({jax.default_backend()}); {args.model}; seconds to lower and compile,"
         f" fastest of {args.reps}")
-  print(f"{'method':<10} {'buckets':>7} {'one':>6} {'model':>7} {'copies':>7} {'map':>6}")
+  print(f"{'method':<10} {'buckets':>7} {'one':>6} {'model':>7} {'equal':>7} {'copies':>7} {'map':>6}")
   for name in names:
     group = buckets(name, leaves, args.bucket_bytes)
-    row = [seconds(fn, arguments, args.reps) for fn, arguments in forms(group).values()]
-    print(f"{name:<10} {len(group):>7} {row[0]:6.2f} {row[1]:7.2f} {row[2]:7.2f} {row[3]:6.2f}", flush=True)
+    row = [f"{seconds(*form, args.reps):.2f}" if form else "-" for form in forms(group).values()]
+    print(f"{name:<10} {len(group):>7} {row[0]:>6} {row[1]:>7} {row[2]:>7} {row[3]:>7} {row[4]:>6}",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from harness import benchmark_script
 from jaxcomp_bench import shapes as shp
 
 
-def test_copies_and_the_map_give_the_same_means_and_a_row_is_printed(capsys):
+def test_the_forms_give_the_same_means_and_a_row_is_printed(capsys):
   mod = benchmark_script("compile_copies")
   group = mod.buckets("topk", shp.abstract(shp.resnet50_shapes()[:12]), bucket_bytes=2 ** 18)
   assert len(group) > 1 and len({b.length for b in group}) > 1  # buckets of several layouts
@@ -22,6 +22,16 @@ def test_copies_and_the_map_give_the_same_means_and_a_row_is_printed(capsys):
   for i, c in enumerate(copies):  # top-k draws nothing: the keys do not matter
     np.testing.assert_array_equal(np.asarray(c), np.asarray(mapped[i]))
     assert 0 < int(jnp.sum(c != 0)) < c.size
+  equal = mod.equalized(group)  # one length, one number of segments; each bucket's own entries unchanged
+  assert len({b.length for b in equal}) == 1 and len({b.segments.count for b in equal}) == 1
+  own = [data[0][:b.length] for b in group]
+  model = jax.jit(programs["model"][0])(own, key)
+  padded = [jnp.pad(x, (0, e.length - x.size)) for x, e in zip(own, equal)]
+  padded = jax.jit(programs["equal"][0])(padded, key)
+  for m, p, b in zip(model, padded, group):
+    np.testing.assert_array_equal(np.asarray(m), np.asarray(p[:b.length]))
+    assert not np.any(np.asarray(p[b.length:]))
+  assert mod.equalized(mod.buckets("powersgd", shp.abstract(shp.resnet50_shapes()[:12]))) is None
   mod.main(["--methods", "qsgd", "--leaves", "12", "--bucket-bytes", str(2 ** 18), "--reps", "1"])
   row = capsys.readouterr().out.splitlines()[-1].split()
   assert row[0] == "qsgd" and int(row[1]) > 1 and all(float(v) > 0 for v in row[2:])
