@@ -61,8 +61,8 @@ def test_sampled_bracket_is_exact(name):
 @pytest.mark.parametrize("fooled", ["every segment", "the first segment"])
 def test_a_sample_that_misses_falls_back_to_bisection(fooled):
   """Large values everywhere but at the sampled positions: the bracket misses, the answer is still exact."""
-  plan = segtopk._plan(SEGS, tuple(int(v) for v in K))
-  positions = np.asarray(segtopk._sample(jnp.arange(SEGS.length, dtype=jnp.int32), SEGS, plan))
+  plan = segtopk.plan(SEGS, K)
+  positions = np.asarray(segtopk._sample(jnp.arange(SEGS.length, dtype=jnp.int32), plan))
   positions = positions[positions >= 0]
   rng = np.random.default_rng(0)
   if fooled == "every segment":

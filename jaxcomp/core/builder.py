@@ -281,9 +281,16 @@ def _shared_stages(method: Method, layout_of, ctx: StepContext, params):
 def _exchange_all(method: Method, buckets, x, extras, ctx: StepContext, params):
   """Each bucket's exchange (or the method's fused exchange): lists of mean, sent, extra."""
   if method.fused is None:
-    results = [b.exchange.exchange(xb, b.segments, e, ctx._replace(key=jax.random.fold_in(ctx.key, i),
-                                                                   params=p))
-               for i, (b, xb, e, p) in enumerate(zip(buckets, x, extras, params))]
+    ctxs = [ctx._replace(key=jax.random.fold_in(ctx.key, i), params=p) for i, p in enumerate(params)]
+    results: list = [None] * len(buckets)
+    by_exchange: dict = {}
+    for i, b in enumerate(buckets):
+      by_exchange.setdefault(b.exchange, []).append(i)
+    for exchange, idx in by_exchange.items():  # one call per exchange: its buckets may share one loop
+      done = exchange.exchange_many([x[i] for i in idx], [buckets[i].segments for i in idx],
+                                    [extras[i] for i in idx], [ctxs[i] for i in idx])
+      for i, r in zip(idx, done):
+        results[i] = r
     return [list(r) for r in zip(*results)] if results else ([], [], [])
   return _exchange_fused(method, buckets, x, extras, ctx)
 

@@ -63,60 +63,14 @@ def halves(rows: jax.Array, init: jax.Array, op: Callable) -> jax.Array:
   return op(a, b)
 
 
-@dataclasses.dataclass(frozen=True)
-class Segments:
-  """The leaves of one bucket: static offsets, sizes and views.
+class SegmentOps:
+  """Segment reductions and spreads over a bucket, from its row tables.
 
-  Each segment starts at a multiple of ``block`` and is zero-padded to one;
-  ``length`` is the bucket's length (a multiple of ``block``). Segment
-  reductions work on rows of ``block`` entries: one reduction along the rows,
-  then a small segment sum over rows (no ``n``-sized scatter).
+  A subclass provides ``count``, ``length``, ``block`` and ``has_pads`` (static) and the
+  tables ``row_segment`` (the segment of each row of ``block`` entries) and ``row_valid`` (the
+  entries of each row that are not padding): numpy constants in :class:`Segments`, arrays
+  (data of a loop over stacked buckets) in :class:`jaxcomp.core.tables.SegmentTable`.
   """
-
-  offsets: Tuple[int, ...]
-  sizes: Tuple[int, ...]
-  views: Tuple[Tuple[int, ...], ...]
-  block: int = 1
-
-  @property
-  def count(self) -> int:
-    return len(self.sizes)
-
-  @property
-  def length(self) -> int:
-    if not self.sizes:
-      return 0
-    return self.offsets[-1] + padded(self.sizes[-1], self.block)
-
-  @property
-  def padded_sizes(self) -> Tuple[int, ...]:
-    return tuple(padded(n, self.block) for n in self.sizes)
-
-  @property
-  def pads(self) -> np.ndarray:
-    """Padding entries of each segment (float32 (S,))."""
-    return np.asarray([p - n for p, n in zip(self.padded_sizes, self.sizes)], np.float32)
-
-  @property
-  def has_pads(self) -> bool:
-    return any(p != n for p, n in zip(self.padded_sizes, self.sizes))
-
-  @functools.cached_property
-  def row_segment(self) -> np.ndarray:
-    """int32 (rows,): the segment of each row of ``block`` entries."""
-    return np.repeat(np.arange(self.count, dtype=np.int32),
-                     [p // self.block for p in self.padded_sizes])
-
-  @functools.cached_property
-  def row_valid(self) -> np.ndarray:
-    """int32 (rows,): how many entries of each row are not padding."""
-    out = []
-    for n, p in zip(self.sizes, self.padded_sizes):
-      r = np.full(p // self.block, self.block, np.int32)
-      if n < p:
-        r[-1] = n - (p // self.block - 1) * self.block
-      out.append(r)
-    return np.concatenate(out) if out else np.zeros((0,), np.int32)
 
   def rows(self, v: jax.Array) -> jax.Array:
     return v.reshape(-1, self.block)
@@ -206,6 +160,62 @@ class Segments:
       return jnp.ones((self.length,), bool)
     col = jax.lax.broadcasted_iota(jnp.int32, (self.length // self.block, self.block), 1)
     return (col < jnp.asarray(self.row_valid)[:, None]).reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments(SegmentOps):
+  """The leaves of one bucket: static offsets, sizes and views.
+
+  Each segment starts at a multiple of ``block`` and is zero-padded to one;
+  ``length`` is the bucket's length (a multiple of ``block``). Segment
+  reductions work on rows of ``block`` entries: one reduction along the rows,
+  then a small segment sum over rows (no ``n``-sized scatter).
+  """
+
+  offsets: Tuple[int, ...]
+  sizes: Tuple[int, ...]
+  views: Tuple[Tuple[int, ...], ...]
+  block: int = 1
+
+  @property
+  def count(self) -> int:
+    return len(self.sizes)
+
+  @property
+  def length(self) -> int:
+    if not self.sizes:
+      return 0
+    return self.offsets[-1] + padded(self.sizes[-1], self.block)
+
+  @property
+  def padded_sizes(self) -> Tuple[int, ...]:
+    return tuple(padded(n, self.block) for n in self.sizes)
+
+  @property
+  def pads(self) -> np.ndarray:
+    """Padding entries of each segment (float32 (S,))."""
+    return np.asarray([p - n for p, n in zip(self.padded_sizes, self.sizes)], np.float32)
+
+  @property
+  def has_pads(self) -> bool:
+    return any(p != n for p, n in zip(self.padded_sizes, self.sizes))
+
+  @functools.cached_property
+  def row_segment(self) -> np.ndarray:
+    """int32 (rows,): the segment of each row of ``block`` entries."""
+    return np.repeat(np.arange(self.count, dtype=np.int32),
+                     [p // self.block for p in self.padded_sizes])
+
+  @functools.cached_property
+  def row_valid(self) -> np.ndarray:
+    """int32 (rows,): how many entries of each row are not padding."""
+    out = []
+    for n, p in zip(self.sizes, self.padded_sizes):
+      r = np.full(p // self.block, self.block, np.int32)
+      if n < p:
+        r[-1] = n - (p // self.block - 1) * self.block
+      out.append(r)
+    return np.concatenate(out) if out else np.zeros((0,), np.int32)
 
   def segment(self, x: jax.Array, s: int) -> jax.Array:
     """The entries of segment ``s`` (without padding), on the last axis."""

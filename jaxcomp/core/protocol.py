@@ -38,7 +38,7 @@ from jax import lax
 
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import Axis
-from jaxcomp.core import layout
+from jaxcomp.core import layout, stacking
 
 
 class CompressState(NamedTuple):
@@ -215,6 +215,25 @@ class Codec(abc.ABC):
     del x
     return self.decode(payload, key, segs)
 
+  def group_key(self, segs: layout.Segments) -> Any:
+    """None, or a key: buckets of one key may be encoded by one loop over their stack, from
+    :meth:`group_tables` through :meth:`encode_table` and :meth:`cut` (:mod:`jaxcomp.core.stacking`)."""
+    del segs
+    return None
+
+  def group_tables(self, segments: list) -> list:
+    """Each bucket's tables for :meth:`encode_table`: pytrees of one structure and shape for the group."""
+    raise NotImplementedError
+
+  def encode_table(self, x: jax.Array, key: jax.Array, table: Any) -> Tuple[Any, jax.Array]:
+    """``(payload, sent)`` of a bucket zero-padded to the group's length, by its ``table``: the
+    payload at the group's shapes, whose :meth:`cut` is the bucket's own :meth:`encode`."""
+    raise NotImplementedError
+
+  def cut(self, payload: Any, segs: layout.Segments) -> Any:
+    """A payload of :meth:`encode_table` at the bucket's own shapes."""
+    raise NotImplementedError
+
   def aggregate(self, gathered: packing.Gathered, key: jax.Array, segs: layout.Segments,
                 num: int) -> jax.Array:
     """Mean over the workers of the ``gathered`` payloads (:class:`~jaxcomp.collectives.packing.Gathered`).
@@ -285,6 +304,10 @@ class Exchange(abc.ABC):
   def bucket_wire_bytes(self, segs: layout.Segments, workers: int | None = None) -> int:
     """Nominal bytes one worker hands to collectives for the bucket (``workers``: N, where it matters)."""
 
+  def exchange_many(self, xs: list, segments: list, extras: list, ctxs: list) -> list:
+    """``(mean, local, extra)`` of several buckets of this exchange (each with its own context)."""
+    return [self.exchange(x, segs, e, ctx) for x, segs, e, ctx in zip(xs, segments, extras, ctxs)]
+
   def exchange_stages(self, stages, index, x: jax.Array, segs: layout.Segments, extra: Any,
                       ctx: StepContext):
     """``stages[index].exchange(...)``: the bucket's exchanges of a schedule's stages (this one first,
@@ -314,8 +337,7 @@ class CodecExchange(Exchange):
 
   def exchange(self, x, segs, extra, ctx: StepContext):
     codec = self.codec
-    enc_key = ctx.key if codec.shared_key else jax.random.fold_in(ctx.key, ctx.axis.index)
-    dec_key = enc_key if codec.shared_key else ctx.key
+    enc_key, dec_key = self._keys(ctx)
     if codec.linear:
       num = ctx.axis.size
       scaled = x / num
@@ -329,6 +351,25 @@ class CodecExchange(Exchange):
       return local, local, extra
     gathered = ops.allgather_payload(payload, ctx.axis)
     return codec.aggregate(gathered, dec_key, segs, ctx.axis.size), local, extra
+
+  def exchange_many(self, xs, segments, extras, ctxs):
+    """As :meth:`exchange` for each bucket; a group of a codec with ``group_key`` encoded by one loop."""
+    codec, out = self.codec, [None] * len(xs)
+    for idx in ([[i] for i in range(len(xs))] if codec.linear else stacking.groups(codec, segments)):
+      if len(idx) == 1:
+        out[idx[0]] = self.exchange(xs[idx[0]], segments[idx[0]], extras[idx[0]], ctxs[idx[0]])
+        continue
+      keys = [self._keys(ctxs[i]) for i in idx]
+      done = stacking.exchange_stacked(codec, [xs[i] for i in idx], [segments[i] for i in idx],
+                                       [k[0] for k in keys], [k[1] for k in keys], ctxs[idx[0]].axis)
+      for i, (mean, local) in zip(idx, done):
+        out[i] = (mean, local, extras[i])
+    return out
+
+  def _keys(self, ctx: StepContext):
+    """The encode's key (this worker's unless ``shared_key``) and the decode's."""
+    enc = ctx.key if self.codec.shared_key else jax.random.fold_in(ctx.key, ctx.axis.index)
+    return enc, (enc if self.codec.shared_key else ctx.key)
 
   def bucket_wire_bytes(self, segs, workers=None):
     x = jax.ShapeDtypeStruct((segs.length,), jnp.float32)

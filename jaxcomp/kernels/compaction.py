@@ -191,15 +191,27 @@ def segment_words(values: jax.Array, segs: Segments) -> jax.Array:
 
 
 def run_sums(rows: jax.Array, lengths) -> jax.Array:
-  """Sums of consecutive runs of ``lengths`` (static) entries of an int32 vector: (len(lengths),).
+  """Sums of consecutive runs of ``lengths`` entries of an int32 vector: (len(lengths),).
 
   From a prefix sum read at the runs' ends: faster than a segment-sum scatter on XLA:CPU.
+  ``lengths`` is static (numpy) or data (a :class:`~jaxcomp.core.tables.SegmentTable`'s, runs
+  of length 0 included).
   """
-  lengths = np.asarray(lengths, np.int64)
-  if lengths.size == 1:
+  if np.size(lengths) == 1:
     return jnp.sum(rows, dtype=jnp.int32)[None]
-  ends = prefix_sum(rows)[np.cumsum(lengths) - 1]
+  if isinstance(lengths, (np.ndarray, list, tuple)):
+    ends = prefix_sum(rows)[np.cumsum(np.asarray(lengths, np.int64)) - 1]
+  else:
+    stop = prefix_sum(lengths)
+    ends = jnp.where(stop > 0, prefix_sum(rows)[jnp.maximum(stop - 1, 0)], 0)
   return ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+
+
+def _run_lengths(segs) -> object:
+  """Each segment's rows of ``block`` entries: numpy for :class:`Segments`, data for a table."""
+  if isinstance(segs, Segments):
+    return np.asarray(segs.padded_sizes) // segs.block
+  return segs.padded_sizes // segs.block
 
 
 def segment_count(v: jax.Array, segs: Segments) -> jax.Array:
@@ -213,14 +225,14 @@ def segment_count(v: jax.Array, segs: Segments) -> jax.Array:
   if v.dtype == jnp.bool_ and segs.block % WORD == 0:
     return segment_word_sum(popcount(pack_mask(v)), segs)
   rows = jnp.sum(segs.rows(jnp.asarray(v, jnp.int32)), axis=1, dtype=jnp.int32)
-  return run_sums(rows, np.asarray(segs.padded_sizes) // segs.block)
+  return run_sums(rows, _run_lengths(segs))
 
 
 def segment_word_sum(v: jax.Array, segs: Segments) -> jax.Array:
   """Per-segment sums of a per-word int32 vector ``(length // 32,)``: (S,)."""
   per = _per_word(segs)
   rows = jnp.sum(v.reshape(-1, per), axis=1, dtype=jnp.int32)
-  return run_sums(rows, np.asarray(segs.padded_sizes) // segs.block)
+  return run_sums(rows, _run_lengths(segs))
 
 
 def segment_mask_words(x: jax.Array, thresholds: jax.Array, segs: Segments) -> jax.Array:
@@ -255,16 +267,23 @@ def _word_counts(words: jax.Array, segs: Segments):
   """One prefix sum over a bucket's mask words, read per segment.
 
   Returns ``(excl, first, nw, base, total)``: set bits before each word, each
-  segment's first word and word count (numpy), the set bits before each
-  segment and the set bits in it (int32 (S,)).
+  segment's first word and word count (numpy, or data for a table), the set bits
+  before each segment and the set bits in it (int32 (S,)).
   """
   pc = popcount(words)
   incl = prefix_sum(pc)
   excl = incl - pc
-  first = np.asarray(segs.offsets, np.int64) // WORD
-  nw = np.asarray(segs.padded_sizes, np.int64) // WORD
-  base = excl[first]
-  return excl, first, nw, base, incl[first + nw - 1] - base
+  if isinstance(segs, Segments):
+    first = np.asarray(segs.offsets, np.int64) // WORD
+    nw = np.asarray(segs.padded_sizes, np.int64) // WORD
+    base = excl[first]
+    return excl, first, nw, base, incl[first + nw - 1] - base
+  # a table: segments of no words (empty, or the padding of the longest bucket) count 0
+  first, nw = segs.offsets // WORD, segs.padded_sizes // WORD
+  last = words.shape[0] - 1
+  base = jnp.where(first <= last, excl[jnp.minimum(first, last)], incl[last])
+  total = jnp.where(nw > 0, incl[jnp.clip(first + nw - 1, 0, last)] - base, 0)
+  return excl, first, nw, base, total
 
 
 def cap_segments(words: jax.Array, segs: Segments, caps, start_words: jax.Array | None = None):

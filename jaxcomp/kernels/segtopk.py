@@ -32,15 +32,16 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.core import layout
+from jaxcomp.core import layout, tables
 from jaxcomp.core.layout import Segments
 from jaxcomp.kernels import compaction
 
@@ -71,53 +72,107 @@ def bisect_kth(bits: jax.Array, segs: Segments, k) -> jax.Array:
   return lo
 
 
-class _Plan(NamedTuple):
-  """The static sample of a bucket: per segment its size m, stratum length, ranks and band slots."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How :func:`topk_positions` finds the ``k_s`` largest of every segment of a bucket.
 
-  segs: Segments  # the sample's own segments (sizes m_s, padded to rows)
-  stride: np.ndarray  # stratum length of each segment (1: the segment is its own sample)
-  rank_hi: np.ndarray  # sample rank of the bracket's upper end (>= 1)
-  rank_lo: np.ndarray  # sample rank of its lower end (<= m_s)
-  slots: np.ndarray  # the most bracket entries a segment may hold (0: its own sample)
+  ``segs``: the bucket's segments; ``k``: int (S,). ``sample``: the sample's own segments
+  (sizes m_s, padded to rows; None: the bucket is bisected), each segment's stratum length
+  ``stride`` (1: the segment is its own sample) and the sample ranks of its bracket's ends
+  ``rank_hi`` (>= 1) and ``rank_lo`` (<= m_s). Static: ``capacity``, the most bracket entries
+  the bucket compacts, and ``total``, the output's slots (at least ``sum(k)``). Numpy constants
+  for one bucket (:func:`plan`), or data of a loop over stacked buckets (:func:`group_plans`).
+  """
+
+  segs: Any
+  k: Any
+  sample: Any = None
+  stride: Any = None
+  rank_hi: Any = None
+  rank_lo: Any = None
+  capacity: int = 1
+  total: int = 0
 
 
-@functools.lru_cache(maxsize=256)
-def _plan(segs: Segments, k: tuple) -> _Plan:
-  n = np.asarray(segs.sizes, np.int64)
-  k = np.asarray(k, np.int64)
+jax.tree_util.register_dataclass(Plan, data_fields=["segs", "k", "sample", "stride", "rank_hi", "rank_lo"],
+                                 meta_fields=["capacity", "total"])
+
+
+def _sample_sizes(n: np.ndarray, k: np.ndarray):
+  """Per segment: sample size m, stratum length, bracket ranks and band slots (empty or k = 0: none)."""
   own = n <= SAMPLE_ALL
   m = np.where(own, n, -(-n // SAMPLE_STRIDE))
-  stride = n // m
-  r = k * m / n
+  stride = np.where(m > 0, n // np.maximum(m, 1), 1)
+  r = k * m / np.maximum(n, 1)
   delta = np.where(own, 0, np.ceil(4 * np.sqrt(r) + 4)).astype(np.int64)
   rank_hi = np.maximum(1, np.floor(r).astype(np.int64) - delta)
   rank_lo = np.minimum(m, np.ceil(r).astype(np.int64) + delta)
-  slots = np.where(own, 0, 2 * (rank_lo - rank_hi + 2) * stride)
+  slots = np.where(own | (k == 0), 0, 2 * (rank_lo - rank_hi + 2) * stride)
+  return m, stride, rank_hi, rank_lo, slots
+
+
+@functools.lru_cache(maxsize=256)
+def _static_plan(segs: Segments, k: tuple) -> Plan:
+  k = np.asarray(k, np.int64)
+  if not sampled(segs):
+    return Plan(segs, k, total=int(k.sum()))
+  m, stride, rank_hi, rank_lo, slots = _sample_sizes(np.asarray(segs.sizes, np.int64), k)
   offsets = np.concatenate([[0], np.cumsum(-(-m // layout.ROW) * layout.ROW)[:-1]])
   sample = Segments(tuple(int(o) for o in offsets), tuple(int(v) for v in m),
                     tuple((int(v),) for v in m), layout.ROW)
-  return _Plan(sample, stride, rank_hi, rank_lo, slots)
+  return Plan(segs, k, sample, stride, rank_hi, rank_lo, max(int(slots.sum()), 1), int(k.sum()))
 
 
-def _sample(bits: jax.Array, segs: Segments, plan: _Plan) -> jax.Array:
+def plan(segs: Segments, k) -> Plan:
+  """The static plan of one bucket (``k``: the count of each segment)."""
+  return _static_plan(segs, tuple(int(v) for v in np.broadcast_to(np.asarray(k, np.int64), (segs.count,))))
+
+
+def group_plans(segments: Sequence[Segments], ks: Sequence) -> list:
+  """Plans of one structure for buckets run by one loop: their tables padded to one shape
+  (:func:`jaxcomp.core.tables.group_tables`; the padding's segments get ``k = 0``), the sample
+  of each as long as the longest, ``capacity`` and ``total`` the largest. The buckets must
+  agree on :func:`sampled`."""
+  segs = tables.group_tables(segments)
+  count, out = segs[0].count, []
+  ks = [np.concatenate([np.asarray(k, np.int64), np.zeros(count - len(k), np.int64)]) for k in ks]
+  if not sampled(segments[0]):
+    return [Plan(t, k.astype(np.int32), total=max(int(k.sum()) for k in ks)) for t, k in zip(segs, ks)]
+  sizes = [np.asarray(t.sizes, np.int64) * (np.arange(count) < s.count) for t, s in zip(segs, segments)]
+  parts = [_sample_sizes(n, k) for n, k in zip(sizes, ks)]
+  padded = [-(-p[0] // layout.ROW) * layout.ROW for p in parts]
+  length = max(int(q.sum()) for q in padded)
+  capacity = max(max(int(p[4].sum()), 1) for p in parts)
+  total = max(int(k.sum()) for k in ks)
+  for t, k, (m, stride, hi, lo, _), q in zip(segs, ks, parts, padded):
+    q = q.copy()
+    q[-1] += length - q.sum()  # the last (padding) segment's rows fill the sample to its length
+    offsets = np.concatenate([[0], np.cumsum(q)[:-1]])
+    sample = tables.table(offsets, m, q, length, layout.ROW, True)
+    i32 = lambda v: np.asarray(v, np.int32)
+    out.append(Plan(t, i32(k), sample, i32(stride), i32(hi), i32(lo), capacity, total))
+  return out
+
+
+def _sample(bits: jax.Array, p: Plan) -> jax.Array:
   """One entry of each stratum of each segment (a hashed offset in it); -1 in the sample's padding."""
-  sp = plan.segs
+  sp, segs = p.sample, p.segs
   local = jnp.arange(sp.length, dtype=jnp.int32) - sp.spread(jnp.asarray(sp.offsets, jnp.int32))
-  stride = sp.spread(jnp.asarray(plan.stride, jnp.int32))
+  stride = sp.spread(jnp.asarray(p.stride, jnp.int32))
   jitter = ((local.astype(jnp.uint32) * jnp.uint32(2654435761)) >> 16).astype(jnp.int32) % stride
   pos = sp.spread(jnp.asarray(segs.offsets, jnp.int32)) + local * stride + jitter
   valid = local < sp.spread(jnp.asarray(sp.sizes, jnp.int32))
   return jnp.where(valid, bits[jnp.clip(pos, 0, segs.length - 1)], -1)
 
 
-def _band_kth(bits, words, segs, plan, t_lo, t_hi, need):
+def _band_kth(bits, words, p: Plan, t_lo, t_hi, need):
   """Per segment, the ``need_s``-th largest of the entries in ``[t_lo, t_hi]``.
 
   ``words``: the packed mask of those entries (segments with ``t_lo < t_hi`` only).
   """
-  capacity = max(int(plan.slots.sum()), 1)
+  segs = p.segs
   wide = t_lo < t_hi
-  idx, _ = compaction.compact(words, segs.length, capacity)
+  idx, _ = compaction.compact(words, segs.length, p.capacity)
   vals = jnp.where(idx < segs.length, bits[jnp.minimum(idx, segs.length - 1)], -1)
   seg = compaction.segment_of(idx, segs)
 
@@ -178,26 +233,32 @@ def kth_largest_bits(bits: jax.Array, segs: Segments, k: np.ndarray) -> jax.Arra
   compacted entries finds it (module docstring); a segment whose bracket
   misses is bisected over the bucket (31 passes, only when one misses).
   """
-  k_np = np.broadcast_to(np.asarray(k, np.int64), (segs.count,))
-  if not sampled(segs):
-    return bisect_kth(bits, segs, k_np)
-  plan = _plan(segs, tuple(int(v) for v in k_np))
-  sample = _sample(bits, segs, plan)
-  t_hi, t_lo = jax.vmap(lambda r: bisect_kth(sample, plan.segs, r))(np.stack([plan.rank_hi, plan.rank_lo]))
+  return _kth(bits, plan(segs, k))
+
+
+def _kth(bits: jax.Array, p: Plan) -> jax.Array:
+  """:func:`kth_largest_bits` by a plan; a segment with ``k = 0`` (padding) is never missed."""
+  segs, k = p.segs, jnp.asarray(p.k, jnp.int32)
+  if p.sample is None:
+    return bisect_kth(bits, segs, k)
+  sample = _sample(bits, p)
+  t_hi, t_lo = jax.vmap(lambda r: bisect_kth(sample, p.sample, r))(jnp.stack([jnp.asarray(p.rank_hi),
+                                                                           jnp.asarray(p.rank_lo)]))
+  none = k == 0
+  t_lo = jnp.where(none, t_hi, t_lo)
   # Packed masks (a word per 32 entries) rather than int32 per entry: nothing of the bucket's size is written.
   above_words = compaction.pack_mask(bits > segs.spread(t_hi))
   reach_words = compaction.pack_mask(bits >= segs.spread(t_lo))
   above = compaction.segment_word_sum(compaction.popcount(above_words), segs)
   reach = compaction.segment_word_sum(compaction.popcount(reach_words), segs)
-  k = jnp.asarray(k_np, jnp.int32)
   inside = reach - above
   # A segment's band is compacted whole when it and the bands before it fit in the slots.
   held = jnp.where(t_lo < t_hi, inside, 0)
-  captured = compaction.prefix_sum(held) <= max(int(plan.slots.sum()), 1)
-  ok = (above < k) & (reach >= k) & ((t_lo == t_hi) | captured)
+  captured = compaction.prefix_sum(held) <= p.capacity
+  ok = ((above < k) & (reach >= k) & ((t_lo == t_hi) | captured)) | none
   band = jnp.where(compaction.segment_words(held > 0, segs), reach_words & ~above_words, jnp.uint32(0))
-  found = _band_kth(bits, band, segs, plan, t_lo, t_hi, k - above)
-  return _bisect_missed(bits, segs, k_np, ~ok, found)
+  found = _band_kth(bits, band, p, t_lo, t_hi, k - above)
+  return _bisect_missed(bits, segs, k, ~ok, found)
 
 
 def segmented_topk(x: jax.Array, segs: Segments, k: np.ndarray) -> jax.Array:
@@ -208,15 +269,21 @@ def segmented_topk(x: jax.Array, segs: Segments, k: np.ndarray) -> jax.Array:
   """
   if segs.block % 32:
     raise ValueError(f"segmented_topk needs segments aligned to 32 entries, got block={segs.block}")
-  k = np.asarray(k, np.int64)
+  return topk_positions(x, plan(segs, k))
+
+
+def topk_positions(x: jax.Array, p: Plan) -> jax.Array:
+  """:func:`segmented_topk` by a plan: int32 ``(p.total,)``, ``p.segs.length`` in unused slots."""
+  segs = p.segs
+  k = jnp.asarray(p.k, jnp.int32)
   bits = compaction.abs_bits(x)
-  t = kth_largest_bits(bits, segs, k)
+  t = jnp.where(k == 0, jnp.int32(2 ** 31 - 1), _kth(bits, p))  # k = 0: nothing selected
   t_entry = segs.spread(t)
   strict = compaction.pack_mask(bits > t_entry)
   ties = compaction.pack_mask(bits == t_entry) & ~strict
   above = compaction.segment_word_sum(compaction.popcount(strict), segs)
   # Of the entries tied at the threshold, the first ``k - above`` of each segment (ties to lower indices).
-  kept, _ = compaction.cap_segments(ties, segs, jnp.asarray(k, jnp.int32) - above)
+  kept, _ = compaction.cap_segments(ties, segs, k - above)
   words = strict | kept
-  idx, _ = compaction.compact(words, segs.length, int(k.sum()))
+  idx, _ = compaction.compact(words, segs.length, p.total)
   return idx

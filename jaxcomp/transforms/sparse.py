@@ -124,6 +124,29 @@ class TopKCodec(Codec, ScatterCodec):
       return values, idx.astype(_args.index_dtype(n))
     return (values,) + chunk16_encode(idx, n)
 
+  def group_key(self, segs):
+    """Buckets of chunk16 positions share one loop (as do their samples' forms)."""
+    return segtopk.sampled(self._segments(segs)) if self._chunked(segs.length) else None
+
+  def group_tables(self, segments):
+    plans = segtopk.group_plans([self._segments(s) for s in segments], [self._k(s) for s in segments])
+    return [(p, np.int32(s.length)) for p, s in zip(plans, segments)]
+
+  def encode_table(self, x, key, table):
+    plan, n = table
+    idx = segtopk.topk_positions(x, plan)
+    idx = jnp.where(idx >= n, n, idx)  # unused slots hold the bucket's own length, as encode's
+    values = x[jnp.minimum(idx, n - 1)].astype(self.values)
+    if self.values == "float32":
+      sent = kept(x, idx)
+    else:  # the values were rounded: what was sent is their decode
+      sent = zeros_after(x.shape[0], values).at[idx].set(values.astype(jnp.float32), mode="drop")
+    return (values,) + chunk16_encode(idx, x.shape[0]), sent
+
+  def cut(self, payload, segs):
+    k = int(self._k(segs).sum())
+    return payload[0][:k], payload[1][:k], payload[2][:-(-segs.length // CHUNK)]
+
   def _positions(self, payload, n):
     if not self._chunked(n):
       return payload[1].astype(jnp.int32)

@@ -1,0 +1,77 @@
+"""One loop over a method's buckets: a codec's encode compiled once for every bucket of a group.
+
+Every bucket of a model has its own length and segment layout, and a codec built on static
+:class:`~jaxcomp.core.layout.Segments` compiles kernels of its own for each: a method's compile
+time grows with its number of buckets (docs/benchmarks.md, "One program per method"). A codec
+that can read its per-segment sizes as data (``Codec.group_key`` not None) has the buckets of
+one key and of similar lengths (:func:`groups`) zero-padded to the longest, stacked, and encoded
+by one ``lax.map`` (:func:`exchange_stacked`), its tables as arrays
+(:mod:`jaxcomp.core.tables`). Each bucket's payload is then cut to its own shapes, so the
+collectives, the bytes on the wire and the decode are those of the bucket alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomp.collectives import ops
+from jaxcomp.collectives.axis import Axis
+from jaxcomp.core import tables
+
+SLACK = 2
+"""A bucket joins a group when the group's longest is at most ``SLACK`` times its length: the
+padding costs each loop step at most that factor of the bucket's own work."""
+
+
+def groups(codec: Any, segments: Sequence[Any]) -> List[List[int]]:
+  """The buckets (indices into ``segments``) that run as one loop; a bucket alone runs as before.
+
+  Buckets of one ``codec.group_key`` are taken longest first; each starts a group or joins the
+  current one while the group's longest is at most :data:`SLACK` times its length.
+  """
+  by_key: dict = {}
+  out: List[List[int]] = []
+  for i, segs in enumerate(segments):
+    key = codec.group_key(segs)
+    if key is None:
+      out.append([i])
+    else:
+      by_key.setdefault(key, []).append(i)
+  for members in by_key.values():
+    members = sorted(members, key=lambda i: -segments[i].length)
+    current: List[int] = []
+    for i in members:
+      if current and segments[current[0]].length > SLACK * segments[i].length:
+        out.append(current)
+        current = []
+      current.append(i)
+    out.append(current)
+  return sorted(out)
+
+
+def exchange_stacked(codec: Any, xs: Sequence[jax.Array], segments: Sequence[Any], enc_keys, dec_keys,
+                     axis: Axis) -> list:
+  """``(mean, local)`` of each bucket of a group: one ``lax.map`` encodes them all.
+
+  ``codec.group_tables`` gives each bucket's tables (one structure for the group, over its
+  longest length); ``codec.encode_table`` encodes a zero-padded bucket and returns its payload
+  at the group's shapes and what it sent; ``codec.cut`` cuts a payload to the bucket's own.
+  """
+  length = max(s.length for s in segments)
+  stack = jnp.stack([jnp.pad(x, (0, length - x.shape[0])) if x.shape[0] < length else x for x in xs])
+  table = tables.stack(codec.group_tables(list(segments)))
+  payloads, sent = lax.map(lambda a: codec.encode_table(*a), (stack, jnp.stack(list(enc_keys)), table))
+  out = []
+  for b, segs in enumerate(segments):
+    payload = codec.cut(jax.tree.map(lambda v: v[b], payloads), segs)
+    local = sent[b, :segs.length]
+    if axis.name is None:
+      out.append((local, local))
+      continue
+    gathered = ops.allgather_payload(payload, axis)
+    out.append((codec.aggregate(gathered, dec_keys[b], segs, axis.size), local))
+  return out

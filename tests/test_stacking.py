@@ -1,0 +1,119 @@
+"""One loop over a method's buckets (jaxcomp.core.stacking): tables as data, the bits of bucket by bucket."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from harness import AXIS, N, init_stacked, pmap_wire_bytes, run_pmap, run_shard_map
+
+import jaxcomp
+from jaxcomp.core import stacking, tables
+from jaxcomp.core.layout import Segments
+from jaxcomp.kernels import segtopk
+from jaxcomp.transforms import sparse
+
+
+def _segments(sizes, block=128):
+  offsets, at = [], 0
+  for n in sizes:
+    offsets.append(at)
+    at += -(-n // block) * block
+  return Segments(tuple(offsets), tuple(sizes), tuple((n,) for n in sizes), block)
+
+
+def test_a_table_pads_a_bucket_with_empty_segments_and_one_over_its_padding():
+  segs = _segments([300, 129, 5000])
+  t = tables.padded_table(segs, segs.length + 1024, segs.count + 3)
+  assert t.count == 6 and t.length == segs.length + 1024
+  np.testing.assert_array_equal(t.sizes, [300, 129, 5000, 0, 0, 1024])
+  np.testing.assert_array_equal(t.offsets[:3], segs.offsets)
+  np.testing.assert_array_equal(t.row_segment[:segs.length // 128], segs.row_segment)
+  assert set(t.row_segment[segs.length // 128:]) == {5}
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(t.length), jnp.float32)
+  x = x.at[segs.length:].set(0.0)
+  own = x[:segs.length]
+  np.testing.assert_allclose(t.sum(x)[:3], segs.sum(own), rtol=1e-6)
+  np.testing.assert_array_equal(t.max_abs(x)[:3], segs.max_abs(own))
+  np.testing.assert_array_equal(t.valid()[:segs.length], segs.valid())
+  with pytest.raises(ValueError, match="cannot hold"):
+    tables.padded_table(segs, segs.length, segs.count)  # no room for the padding's segment
+
+
+@pytest.mark.parametrize("data", ["normal", "ties", "tiny", "nonfinite"])
+def test_stacked_plans_select_what_each_bucket_selects_alone(data):
+  rng = np.random.default_rng(1)
+  buckets = [_segments([5000, 100000, 17, 70000]), _segments([90000, 33, 9000]), _segments([120000])]
+  ks = [np.asarray([max(1, -(-n // 100)) for n in s.sizes]) for s in buckets]
+  xs = []
+  for s in buckets:
+    x = rng.standard_normal(s.length).astype(np.float32)
+    if data == "ties":
+      x = np.round(x * 2) / 2
+    elif data == "tiny":
+      x *= 1e-7
+    elif data == "nonfinite":
+      x[::997], x[5] = np.nan, np.inf
+    xs.append(jnp.asarray(x))
+  plans = segtopk.group_plans(buckets, ks)
+  length = plans[0].segs.length
+  stack = jnp.stack([jnp.pad(x, (0, length - x.shape[0])) for x in xs])
+  run = jax.jit(lambda s, p: jax.lax.map(lambda a: segtopk.topk_positions(*a), (s, p)))
+  out = run(stack, tables.stack(plans))
+  for x, segs, k, o in zip(xs, buckets, ks, np.asarray(out)):
+    alone = np.asarray(segtopk.segmented_topk(x, segs, k))
+    np.testing.assert_array_equal(np.minimum(o[:int(k.sum())], segs.length), alone)
+
+
+def test_groups_take_buckets_of_one_key_within_the_slack():
+  class Codec:
+    def group_key(self, segs):
+      return None if segs.length < 1000 else "big"
+
+  lengths = [12800, 6400, 128, 3200, 6528, 25600]
+  segments = [_segments([n]) for n in lengths]
+  got = stacking.groups(Codec(), segments)
+  assert sorted(map(sorted, got)) == [[0, 5], [1, 4], [2], [3]]
+
+
+def _tree():
+  """Leaves large enough for top-k's chunk16 positions, in several 1 MiB buckets of different layouts."""
+  shapes = [(300, 700), (90000,), (512, 256), (257,), (40, 2000), (70000,), (64, 64, 3), (150000,)]
+  return {f"w{i}": jnp.zeros(s, jnp.float32) for i, s in enumerate(shapes)}
+
+
+def _grads(params, scale=1e-5):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(3), len(leaves))
+  return treedef.unflatten([scale * jax.random.normal(k, (N,) + p.shape) for k, p in zip(keys, leaves)])
+
+
+@pytest.mark.parametrize("options", [{}, {"values": "bfloat16"}, {"scope": "bucket"}])
+def test_topk_in_one_loop_equals_bucket_by_bucket_under_pmap_and_shard_map(monkeypatch, options):
+  params = _tree()
+  tx = jaxcomp.topk(0.01, axis_name=AXIS, bucket_bytes=2 ** 20, min_size=1, **options)
+  segments = [b.segments for b in tx.settings.method.buckets(params)]
+  assert max(len(g) for g in stacking.groups(sparse.TopKCodec(0.01), segments)) == 3
+  grads = _grads(params)
+
+  def steps(run):
+    state = init_stacked(tx, params)
+    out, state = run(tx, grads, state)
+    return run(tx, jax.tree.map(lambda g: 0.5 * g, grads), state)
+
+  looped = steps(run_pmap)
+  sharded = steps(run_shard_map)
+  monkeypatch.setattr(sparse.TopKCodec, "group_key", lambda self, segs: None)
+  jax.clear_caches()
+  alone = steps(run_pmap)
+  for a, b, c in zip(jax.tree.leaves(looped), jax.tree.leaves(alone), jax.tree.leaves(sharded), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_one_loop_sends_each_buckets_own_bytes():
+  params = _tree()
+  tx = jaxcomp.topk(0.01, axis_name=AXIS, bucket_bytes=2 ** 20, min_size=1)
+  text = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS).lower(
+      _grads(params), init_stacked(tx, params)).compile().as_text()
+  assert '"known_trip_count":{"n":"3"}' in text  # three buckets' encode in one loop
+  assert pmap_wire_bytes(tx, params)["total"] == jaxcomp.wire_bytes(tx, params)
