@@ -7,8 +7,11 @@ script measures that ceiling on a real model's shapes, with the method's own exc
 collective: ``axis_name=None``), one program per column:
 
 - ``one``: the method's largest bucket alone;
-- ``model``: every bucket of that exchange as the model lays them out (what ``jaxcomp.build``
-  compiles today, less packing the leaves and cutting them out again);
+- ``model``: every bucket of that exchange as the model lays them out, each exchanged on its own
+  (what ``jaxcomp.build`` compiles by default, less packing the leaves and cutting them out again);
+- ``loop``: the same buckets through the exchange's ``exchange_many``, what ``jaxcomp.build``
+  compiles with ``jaxcomp.configure(tx, loop_buckets=True)`` (a codec with a ``group_key``
+  encodes buckets of similar lengths by one loop, :mod:`jaxcomp.core.stacking`);
 - ``equal``: the model's buckets, each zero-padded at its end (the padding cut into segments of
   the exchange's block) to one length and one number of segments: the same
   shapes, their per-segment tables still constants of each bucket (``-`` for a method whose
@@ -79,6 +82,15 @@ def _run(bucket, x, key):
   return mean
 
 
+def _many(group, xs, key):
+  """The means of ``group``'s buckets through their exchange's ``exchange_many`` (step 5)."""
+  ex = group[0].exchange
+  ctxs = [StepContext(current_axis(None), jax.random.fold_in(key, i), jnp.int32(5), jnp.uint32(5))
+          for i in range(len(group))]
+  extras = [ex.init_bucket(b.segments, c.key) for b, c in zip(group, ctxs)]
+  return [r[0] for r in ex.exchange_many(list(xs), [b.segments for b in group], extras, ctxs)]
+
+
 def forms(group: list) -> dict:
   """``{column: (function, arguments)}``: the programs of :func:`main` for the buckets ``group``."""
   big = max(group, key=lambda b: b.length)
@@ -92,6 +104,7 @@ def forms(group: list) -> dict:
   return {
       "one": (lambda x, k: _run(big, x, k), (vec(big), key)),
       "model": each(group),
+      "loop": (lambda xs, k: _many(group, xs, k), ([vec(b) for b in group], key)),
       "equal": None if equal is None else each(equal),
       "copies": (lambda xs, k: [_run(big, x, fold(k, i)) for i, x in enumerate(xs)], ([vec(big)] * n, key)),
       "map": (lambda xs, k: jax.lax.map(lambda a: _run(big, *a), (xs, jax.random.split(k, n))),
@@ -129,12 +142,13 @@ def main(argv=None) -> None:
   leaves = shp.abstract(shp.MODELS[args.model]()[:args.leaves])
   print(f"jax {jax.__version__} ({jax.default_backend()}); {args.model}; seconds to lower and compile,"
         f" fastest of {args.reps}")
-  print(f"{'method':<10} {'buckets':>7} {'one':>6} {'model':>7} {'equal':>7} {'copies':>7} {'map':>6}")
+  print(f"{'method':<10} {'buckets':>7} {'one':>6} {'model':>7} {'loop':>7} {'equal':>7} {'copies':>7}"
+        f" {'map':>6}")
   for name in names:
     group = buckets(name, leaves, args.bucket_bytes)
     row = [f"{seconds(*form, args.reps):.2f}" if form else "-" for form in forms(group).values()]
-    print(f"{name:<10} {len(group):>7} {row[0]:>6} {row[1]:>7} {row[2]:>7} {row[3]:>7} {row[4]:>6}",
-          flush=True)
+    print(f"{name:<10} {len(group):>7} {row[0]:>6} {row[1]:>7} {row[2]:>7} {row[3]:>7} {row[4]:>7}"
+          f" {row[5]:>6}", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ def test_the_forms_give_the_same_means_and_a_row_is_printed(capsys):
   assert len({b.length for b in equal}) == 1 and len({b.segments.count for b in equal}) == 1
   own = [data[0][:b.length] for b in group]
   model = jax.jit(programs["model"][0])(own, key)
+  built = jax.jit(programs["loop"][0])(own, key)  # top-k's buckets in one loop: the same bits
+  for m, b in zip(model, built):
+    np.testing.assert_array_equal(np.asarray(m), np.asarray(b))
   padded = [jnp.pad(x, (0, e.length - x.size)) for x, e in zip(own, equal)]
   padded = jax.jit(programs["equal"][0])(padded, key)
   for m, p, b in zip(model, padded, group):

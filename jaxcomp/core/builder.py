@@ -175,8 +175,8 @@ def _update(tx: CompressionTransformation, updates, state, params=None):
 
   grads, bucket_params = _bucket(full, buckets, leaves, treedef, params, fast, chunks)
   x, carry = method.memory.compensate(tuple(grads), state.memory)
-  mean, sent, extra = _exchange_or_warm_up(method, lambda i: _work_buckets(s, updates, i), x,
-                                            state.extra, ctx, bucket_params)
+  mean, sent, extra, x = _exchange_or_warm_up(method, lambda i: _work_buckets(s, updates, i), x,
+                                               state.extra, ctx, bucket_params)
   sent = [jnp.where(b.segments.valid(), v, 0.0) if b.segments.has_pads else v
            for b, v in zip(buckets, sent)]
   # chunks: a NaN lands in one worker's chunk, so the flag goes over both axes
@@ -236,21 +236,23 @@ def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: StepContext,
     buckets = layout_of(i)
 
     def compressed(x, extras):
-      mean, sent, extra = _exchange_all(method, buckets, list(x), extras, ctx, params)
+      mean, sent, extra, _ = _exchange_all(method, buckets, list(x), extras, ctx, params)
       return list(mean), list(sent), list(extra)
 
     return compressed
 
   shared = _shared_stages(method, layout_of, ctx, params)
+  if not shared and not method.stages and method.start_step == 0:  # one stage: x as its exchanges read it
+    return _exchange_all(method, layout_of(0), list(x), extras, ctx, params)
   stages = [shared] if shared else [stage(i) for i in range(len(method.stages) + 1)]
   branches = ([dense] if method.start_step > 0 else []) + stages
   if len(branches) == 1:
-    return branches[0](x, extras)
+    return tuple(branches[0](x, extras)) + (x,)
   branches = [lambda x, e, f=f: ops.varying(f(x, e), ctx.axis) for f in branches]
   index = 0 if shared else _stage_index(method, ctx.count)
   if method.start_step > 0:  # dense before start_step, whichever stage the count is in
     index = jnp.where(ctx.count < method.start_step, 0, 1 + index)
-  return lax.switch(index, branches, tuple(x), tuple(extras))
+  return tuple(lax.switch(index, branches, tuple(x), tuple(extras))) + (x,)
 
 
 def _stage_index(method: Method, count) -> jax.Array:
@@ -279,9 +281,14 @@ def _shared_stages(method: Method, layout_of, ctx: StepContext, params):
 
 
 def _exchange_all(method: Method, buckets, x, extras, ctx: StepContext, params):
-  """Each bucket's exchange (or the method's fused exchange): lists of mean, sent, extra."""
+  """Each bucket's exchange (or the method's fused exchange): lists of mean, sent, extra, and x as
+  the exchanges read it (:meth:`jaxcomp.core.protocol.Exchange.exchange_many`)."""
   if method.fused is None:
     ctxs = [ctx._replace(key=jax.random.fold_in(ctx.key, i), params=p) for i, p in enumerate(params)]
+    if not method.loop_buckets:
+      results = [tuple(b.exchange.exchange(xb, b.segments, e, c)) + (xb,)
+                 for b, xb, e, c in zip(buckets, x, extras, ctxs)]
+      return [list(r) for r in zip(*results)] if results else ([], [], [], [])
     results: list = [None] * len(buckets)
     by_exchange: dict = {}
     for i, b in enumerate(buckets):
@@ -291,8 +298,8 @@ def _exchange_all(method: Method, buckets, x, extras, ctx: StepContext, params):
                                     [extras[i] for i in idx], [ctxs[i] for i in idx])
       for i, r in zip(idx, done):
         results[i] = r
-    return [list(r) for r in zip(*results)] if results else ([], [], [])
-  return _exchange_fused(method, buckets, x, extras, ctx)
+    return [list(r) for r in zip(*results)] if results else ([], [], [], [])
+  return _exchange_fused(method, buckets, x, extras, ctx) + (x,)
 
 
 def _exchange_fused(method: Method, buckets, x, extras, ctx: StepContext):

@@ -38,6 +38,8 @@ class Method:
   leaves out alike, so the memory and the exchanges' state carry over.
   ``sync_every``: steps per communication (SBC's delay; for byte rates and the network model).
   ``bucket_bytes``, ``min_size``, ``dense``, ``transport``: see :func:`jaxcomp.build`.
+  ``loop_buckets``: buckets whose codec can read its tables as data run as one loop
+  (:mod:`jaxcomp.core.stacking`; :func:`jaxcomp.configure`).
   """
 
   name: str
@@ -52,6 +54,7 @@ class Method:
   min_size: int | None = None
   dense: Any = None
   transport: str = "gather"
+  loop_buckets: bool = False
 
   def buckets(self, updates: Any, stage: int = 0) -> Tuple[layout.Bucket, ...]:
     """The bucket layout of a gradient tree (static: shapes and the dense mask only).

@@ -225,9 +225,9 @@ class Codec(abc.ABC):
     """Each bucket's tables for :meth:`encode_table`: pytrees of one structure and shape for the group."""
     raise NotImplementedError
 
-  def encode_table(self, x: jax.Array, key: jax.Array, table: Any) -> Tuple[Any, jax.Array]:
-    """``(payload, sent)`` of a bucket zero-padded to the group's length, by its ``table``: the
-    payload at the group's shapes, whose :meth:`cut` is the bucket's own :meth:`encode`."""
+  def encode_table(self, x: jax.Array, key: jax.Array, table: Any) -> Any:
+    """The payload of a bucket zero-padded to the group's length, by its ``table``, at the
+    group's shapes: its :meth:`cut` is the bucket's own :meth:`encode`."""
     raise NotImplementedError
 
   def cut(self, payload: Any, segs: layout.Segments) -> Any:
@@ -305,8 +305,11 @@ class Exchange(abc.ABC):
     """Nominal bytes one worker hands to collectives for the bucket (``workers``: N, where it matters)."""
 
   def exchange_many(self, xs: list, segments: list, extras: list, ctxs: list) -> list:
-    """``(mean, local, extra)`` of several buckets of this exchange (each with its own context)."""
-    return [self.exchange(x, segs, e, ctx) for x, segs, e, ctx in zip(xs, segments, extras, ctxs)]
+    """``(mean, local, extra, x)`` of several buckets of this exchange (each with its own context):
+    :meth:`exchange`'s, and the bucket as it was read (the same values; where buckets were stacked,
+    a view of the stack, which the memory then reads so that the bucket is written out once)."""
+    return [tuple(self.exchange(x, segs, e, ctx)) + (x,)
+            for x, segs, e, ctx in zip(xs, segments, extras, ctxs)]
 
   def exchange_stages(self, stages, index, x: jax.Array, segs: layout.Segments, extra: Any,
                       ctx: StepContext):
@@ -357,13 +360,14 @@ class CodecExchange(Exchange):
     codec, out = self.codec, [None] * len(xs)
     for idx in ([[i] for i in range(len(xs))] if codec.linear else stacking.groups(codec, segments)):
       if len(idx) == 1:
-        out[idx[0]] = self.exchange(xs[idx[0]], segments[idx[0]], extras[idx[0]], ctxs[idx[0]])
+        i = idx[0]
+        out[i] = tuple(self.exchange(xs[i], segments[i], extras[i], ctxs[i])) + (xs[i],)
         continue
       keys = [self._keys(ctxs[i]) for i in idx]
       done = stacking.exchange_stacked(codec, [xs[i] for i in idx], [segments[i] for i in idx],
                                        [k[0] for k in keys], [k[1] for k in keys], ctxs[idx[0]].axis)
-      for i, (mean, local) in zip(idx, done):
-        out[i] = (mean, local, extras[i])
+      for i, (mean, local, read) in zip(idx, done):
+        out[i] = (mean, local, extras[i], read)
     return out
 
   def _keys(self, ctx: StepContext):

@@ -14,7 +14,8 @@ from jaxcomp.core.protocol import Memory
 
 
 def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None = None,
-              dense_axis_name: AxisName = None, transport: str | None = None):
+              dense_axis_name: AxisName = None, transport: str | None = None,
+              loop_buckets: bool | None = None):
   """``tx`` rebuilt with another memory or a warm-up; every other setting kept.
 
   Args:
@@ -30,6 +31,11 @@ def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None =
       None keeps the transformation's.
     transport: ``"gather"`` or ``"scatter"`` (see :func:`build`); None keeps
       the transformation's.
+    loop_buckets: True encodes the buckets of similar lengths by one loop over their stack, for
+      codecs that can (top-k's exact selection with chunk16 positions; others bucket by
+      bucket): compile time stops growing with their number, at the cost of a copy of the
+      stack and its padding every step (docs/benchmarks.md, "One loop over the buckets").
+      The same outputs, state and bytes, bit for bit. None keeps the transformation's.
 
   Returns:
     A new transformation; its state has the new memory's layout (call ``init`` again).
@@ -52,6 +58,10 @@ def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None =
         or not 0 <= start_step < 2 ** 31:
       raise ValueError(f"start_step must be an int in [0, 2**31), got start_step={start_step!r}")
     method = dataclasses.replace(method, start_step=int(start_step))
+  if loop_buckets is not None:
+    if not isinstance(loop_buckets, (bool, np.bool_)):
+      raise TypeError(f"loop_buckets must be True or False, got loop_buckets={loop_buckets!r}")
+    method = dataclasses.replace(method, loop_buckets=bool(loop_buckets))
   if dense_axis_name is None:
     dense_axis_name = tx.dense_axis_name
   return build(method, tx.axis_name, tx.seed, dense_axis_name=dense_axis_name, transport=transport)

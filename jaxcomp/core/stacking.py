@@ -55,23 +55,26 @@ def groups(codec: Any, segments: Sequence[Any]) -> List[List[int]]:
 
 def exchange_stacked(codec: Any, xs: Sequence[jax.Array], segments: Sequence[Any], enc_keys, dec_keys,
                      axis: Axis) -> list:
-  """``(mean, local)`` of each bucket of a group: one ``lax.map`` encodes them all.
+  """``(mean, local, x)`` of each bucket of a group: one ``lax.map`` encodes them all.
 
   ``codec.group_tables`` gives each bucket's tables (one structure for the group, over its
-  longest length); ``codec.encode_table`` encodes a zero-padded bucket and returns its payload
-  at the group's shapes and what it sent; ``codec.cut`` cuts a payload to the bucket's own.
+  longest length); ``codec.encode_table`` encodes a zero-padded bucket into a payload at the
+  group's shapes; ``codec.cut`` cuts it to the bucket's own. What each bucket sent, the
+  collective and the decode are then the bucket's own (``codec.sent``, ``codec.aggregate``);
+  ``x`` is the bucket read back from the stack, for the memory.
   """
   length = max(s.length for s in segments)
   stack = jnp.stack([jnp.pad(x, (0, length - x.shape[0])) if x.shape[0] < length else x for x in xs])
   table = tables.stack(codec.group_tables(list(segments)))
-  payloads, sent = lax.map(lambda a: codec.encode_table(*a), (stack, jnp.stack(list(enc_keys)), table))
+  payloads = lax.map(lambda a: codec.encode_table(*a), (stack, jnp.stack(list(enc_keys)), table))
   out = []
   for b, segs in enumerate(segments):
     payload = codec.cut(jax.tree.map(lambda v: v[b], payloads), segs)
-    local = sent[b, :segs.length]
+    x = stack[b, :segs.length]  # read from the stack: the bucket is written out once
+    local = codec.sent(x, payload, enc_keys[b], segs)
     if axis.name is None:
-      out.append((local, local))
+      out.append((local, local, x))
       continue
     gathered = ops.allgather_payload(payload, axis)
-    out.append((codec.aggregate(gathered, dec_keys[b], segs, axis.size), local))
+    out.append((codec.aggregate(gathered, dec_keys[b], segs, axis.size), local, x))
   return out

@@ -136,12 +136,7 @@ class TopKCodec(Codec, ScatterCodec):
     plan, n = table
     idx = segtopk.topk_positions(x, plan)
     idx = jnp.where(idx >= n, n, idx)  # unused slots hold the bucket's own length, as encode's
-    values = x[jnp.minimum(idx, n - 1)].astype(self.values)
-    if self.values == "float32":
-      sent = kept(x, idx)
-    else:  # the values were rounded: what was sent is their decode
-      sent = zeros_after(x.shape[0], values).at[idx].set(values.astype(jnp.float32), mode="drop")
-    return (values,) + chunk16_encode(idx, x.shape[0]), sent
+    return (x[jnp.minimum(idx, n - 1)].astype(self.values),) + chunk16_encode(idx, x.shape[0])
 
   def cut(self, payload, segs):
     k = int(self._k(segs).sum())
