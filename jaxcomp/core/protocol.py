@@ -234,6 +234,10 @@ class Codec(abc.ABC):
     """A payload of :meth:`encode_table` at the bucket's own shapes."""
     raise NotImplementedError
 
+  def sent_table(self, x: jax.Array, payload: Any, key: jax.Array, segs: layout.Segments) -> jax.Array:
+    """:meth:`sent` from a payload of :meth:`encode_table` (by default its :meth:`cut`)."""
+    return self.sent(x, self.cut(payload, segs), key, segs)
+
   def aggregate(self, gathered: packing.Gathered, key: jax.Array, segs: layout.Segments,
                 num: int) -> jax.Array:
     """Mean over the workers of the ``gathered`` payloads (:class:`~jaxcomp.collectives.packing.Gathered`).

@@ -5,7 +5,7 @@ Every bucket of a model has its own length and segment layout, and a codec built
 time grows with its number of buckets (docs/benchmarks.md, "One program per method"). A codec
 that can read its per-segment sizes as data (``Codec.group_key`` not None) has the buckets of
 one key and of similar lengths (:func:`groups`) zero-padded to the longest, stacked, and encoded
-by one ``lax.map`` (:func:`exchange_stacked`), its tables as arrays
+by one loop (:func:`exchange_stacked`), its tables as arrays
 (:mod:`jaxcomp.core.tables`). Each bucket's payload is then cut to its own shapes, so the
 collectives, the bytes on the wire and the decode are those of the bucket alone.
 """
@@ -55,7 +55,7 @@ def groups(codec: Any, segments: Sequence[Any]) -> List[List[int]]:
 
 def exchange_stacked(codec: Any, xs: Sequence[jax.Array], segments: Sequence[Any], enc_keys, dec_keys,
                      axis: Axis) -> list:
-  """``(mean, local, x)`` of each bucket of a group: one ``lax.map`` encodes them all.
+  """``(mean, local, x)`` of each bucket of a group: one loop (``lax.scan``) encodes them all.
 
   ``codec.group_tables`` gives each bucket's tables (one structure for the group, over its
   longest length); ``codec.encode_table`` encodes a zero-padded bucket into a payload at the
@@ -64,14 +64,23 @@ def exchange_stacked(codec: Any, xs: Sequence[jax.Array], segments: Sequence[Any
   ``x`` is the bucket read back from the stack, for the memory.
   """
   length = max(s.length for s in segments)
-  stack = jnp.stack([jnp.pad(x, (0, length - x.shape[0])) if x.shape[0] < length else x for x in xs])
+  stack = jnp.zeros((len(xs), length), jnp.float32)
+  for b, x in enumerate(xs):  # each bucket written in place (XLA fuses its producer into the write)
+    stack = lax.dynamic_update_slice(stack, x[None].astype(jnp.float32), (b, 0))
   table = tables.stack(codec.group_tables(list(segments)))
-  payloads = lax.map(lambda a: codec.encode_table(*a), (stack, jnp.stack(list(enc_keys)), table))
+
+
+  def body(carry, a):  # the stack rides in the loop's state, unchanged: the buckets read back after
+    i, key, t = a    # the loop are that buffer, with no copy made for them
+    return carry, codec.encode_table(lax.dynamic_index_in_dim(carry, i, keepdims=False), key, t)
+
+  stack, payloads = lax.scan(body, stack, (jnp.arange(len(xs)), jnp.stack(list(enc_keys)), table))
   out = []
   for b, segs in enumerate(segments):
-    payload = codec.cut(jax.tree.map(lambda v: v[b], payloads), segs)
+    full = jax.tree.map(lambda v: v[b], payloads)
+    payload = codec.cut(full, segs)
     x = stack[b, :segs.length]  # read from the stack: the bucket is written out once
-    local = codec.sent(x, payload, enc_keys[b], segs)
+    local = codec.sent_table(x, full, enc_keys[b], segs)
     if axis.name is None:
       out.append((local, local, x))
       continue

@@ -136,11 +136,17 @@ class TopKCodec(Codec, ScatterCodec):
     plan, n = table
     idx = segtopk.topk_positions(x, plan)
     idx = jnp.where(idx >= n, n, idx)  # unused slots hold the bucket's own length, as encode's
-    return (x[jnp.minimum(idx, n - 1)].astype(self.values),) + chunk16_encode(idx, x.shape[0])
+    values = x[jnp.minimum(idx, n - 1)].astype(self.values)
+    return (values,) + chunk16_encode(idx, x.shape[0]) + (idx,)  # the positions too, for sent_table
 
   def cut(self, payload, segs):
     k = int(self._k(segs).sum())
     return payload[0][:k], payload[1][:k], payload[2][:-(-segs.length // CHUNK)]
+
+  def sent_table(self, x, payload, key, segs):
+    if self.values != "float32":
+      return super().sent_table(x, payload, key, segs)
+    return kept(x, payload[3][:int(self._k(segs).sum())])  # no decode of the positions
 
   def _positions(self, payload, n):
     if not self._chunked(n):
