@@ -3,9 +3,10 @@
 For each method and model, the update with ``axis_name=None`` (jitted, state donated) bucket by
 bucket (the default) and with its buckets of similar lengths encoded by one loop
 (:mod:`jaxcomp.core.stacking`): seconds to lower and compile (the fastest of ``--reps``
-compiles), the update's median milliseconds over ``--steps`` runs and a jitted copy of the same gradients'
-(the forms and the copy timed in turn, so the machine's drift falls on all three), the number
-of buckets and of loops, and whether both give the same outputs and state bit for bit.
+compiles) and the compiled update's temporary bytes; the update's median milliseconds over
+``--steps`` runs and a jitted copy of the same gradients' (the forms and the copy timed in
+turn, so the machine's drift falls on all three); the number of buckets and of loops; and
+whether both forms give the same outputs and state bit for bit.
 
 Usage: ``python benchmarks/loop_buckets.py [--methods topk] [--models resnet50,bert-base]
 [--reps 2] [--steps 7] [--leaves N] [--bucket-bytes B]``.
@@ -63,6 +64,7 @@ def measure(name: str, grads, reps: int, steps: int, bucket_bytes: int | None = 
   steps_of, results, times = {}, {}, {form: [] for form in forms}
   for form, tx in forms.items():
     compiled, row[f"{form} compile s"] = _compile(tx, grads, reps)
+    row[f"{form} temp MiB"] = compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
     state = [tx.init(grads)]
 
     def step(compiled=compiled, state=state):
@@ -107,7 +109,8 @@ def main(argv=None) -> None:
   print(f"jax {jax.__version__} ({jax.default_backend()}); axis_name=None update, state donated;"
         f" compile: fastest of {args.reps}, ms: median of {args.steps}")
   print(f"{'model':<10} {'method':<8} {'buckets':>7} {'loops':>5} {'compile s':>10} {'loop':>6}"
-        f" {'ms':>8} {'loop':>8} {'copy ms':>8} {'x copy':>7} {'loop':>6} {'same':>5}")
+        f" {'ms':>8} {'loop':>8} {'copy ms':>8} {'x copy':>7} {'loop':>6} {'temp MiB':>9} {'loop':>6}"
+        f" {'same':>5}")
   for model in models:
     grads = shp.random(shp.MODELS[model]()[:args.leaves])
     for name in names:
@@ -115,7 +118,8 @@ def main(argv=None) -> None:
       print(f"{model:<10} {name:<8} {r['buckets']:>7} {r['loops']:>5} {r['buckets compile s']:>10.2f}"
             f" {r['loop compile s']:>6.2f} {r['buckets ms']:>8.1f} {r['loop ms']:>8.1f}"
             f" {r['copy ms']:>8.1f} {r['buckets ms'] / r['copy ms']:>7.2f}"
-            f" {r['loop ms'] / r['copy ms']:>6.2f} {str(r['equal']):>5}", flush=True)
+            f" {r['loop ms'] / r['copy ms']:>6.2f} {r['buckets temp MiB']:>9.1f} {r['loop temp MiB']:>6.1f}"
+            f" {str(r['equal']):>5}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ def test_a_row_per_model_and_method_with_a_loop_and_the_same_bits(capsys):
             "--reps", "1", "--steps", "2"])
   row = capsys.readouterr().out.splitlines()[-1].split()
   assert row[:2] == ["resnet50", "topk"] and int(row[2]) > int(row[3]) >= 1  # several buckets, a loop
-  assert all(float(v) > 0 for v in row[4:11]) and row[11] == "True"
+  assert all(float(v) > 0 for v in row[4:13]) and row[13] == "True"
 
 
 @pytest.mark.parametrize("argv", [["--methods", "bogus"], ["--models", "gpt2"], ["--steps", "0"]])
