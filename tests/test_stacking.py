@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import AXIS, N, init_stacked, pmap_wire_bytes, run_pmap, run_shard_map
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp.core import stacking, tables
@@ -118,3 +120,41 @@ def test_one_loop_sends_each_buckets_own_bytes_and_is_configured_once():
   assert not jaxcomp.configure(tx, loop_buckets=False).settings.method.loop_buckets
   with pytest.raises(TypeError, match="loop_buckets"):
     jaxcomp.configure(tx, loop_buckets="yes")
+
+
+def test_one_loop_under_a_warm_up_and_over_a_fast_axis_equals_bucket_by_bucket():
+  params = _tree()
+  tx = jaxcomp.topk(0.01, axis_name=AXIS, bucket_bytes=2 ** 19, min_size=1)
+  tx = jaxcomp.configure(tx, start_step=1)
+  grads = _grads(params)
+
+  def steps(tx):  # a dense step, then a compressed one
+    out, state = run_pmap(tx, grads, init_stacked(tx, params))
+    return run_pmap(tx, grads, state)
+
+  looped = steps(jaxcomp.configure(tx, loop_buckets=True))
+  for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(steps(tx)), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # dense over "ici" (4), top-k over "dcn" (2): each worker's chunks of two buckets, one loop
+  mesh = jax.make_mesh((2, 4), ("dcn", "ici"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+  big = {"a": jnp.zeros((600, 500)), "b": jnp.zeros((700, 400))}
+  g = {k: 1e-5 * jax.random.normal(jax.random.PRNGKey(i), (8,) + v.shape)
+       for i, (k, v) in enumerate(big.items())}
+
+  def two_level(tx):
+    spec = P(("dcn", "ici"))
+    init = jax.shard_map(lambda p: jaxcomp.stacked(tx.init(p)), mesh=mesh, in_specs=P(), out_specs=spec)
+
+    def step(g, s):
+      u, s = tx.update(jaxcomp.local(g), jaxcomp.local(s))
+      return jaxcomp.stacked(u), jaxcomp.stacked(s)
+
+    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+                                check_vma=False))
+    out, state = run(g, jax.jit(init)(big))
+    return jax.device_get(run(g, state))
+
+  tx = jaxcomp.topk(0.01, axis_name="dcn", dense_axis_name="ici", bucket_bytes=2 ** 20)
+  looped = jaxcomp.configure(tx, loop_buckets=True)
+  for a, b in zip(jax.tree.leaves(two_level(looped)), jax.tree.leaves(two_level(tx)), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
