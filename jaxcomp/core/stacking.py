@@ -59,16 +59,15 @@ def exchange_stacked(codec: Any, xs: Sequence[jax.Array], segments: Sequence[Any
 
   ``codec.group_tables`` gives each bucket's tables (one structure for the group, over its
   longest length); ``codec.encode_table`` encodes a zero-padded bucket into a payload at the
-  group's shapes; ``codec.cut`` cuts it to the bucket's own. What each bucket sent, the
-  collective and the decode are then the bucket's own (``codec.sent``, ``codec.aggregate``);
-  ``x`` is the bucket read back from the stack, for the memory.
+  group's shapes; ``codec.cut`` cuts it to the bucket's own. What each bucket sent
+  (``codec.sent_table``), its collective and its decode (``codec.aggregate``) are then the
+  bucket's own; ``x`` is the bucket read back from the stack, for the memory.
   """
   length = max(s.length for s in segments)
   stack = jnp.zeros((len(xs), length), jnp.float32)
   for b, x in enumerate(xs):  # each bucket written in place (XLA fuses its producer into the write)
     stack = lax.dynamic_update_slice(stack, x[None].astype(jnp.float32), (b, 0))
   table = tables.stack(codec.group_tables(list(segments)))
-
 
   def body(carry, a):  # the stack rides in the loop's state, unchanged: the buckets read back after
     i, key, t = a    # the loop are that buffer, with no copy made for them
