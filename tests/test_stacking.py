@@ -66,7 +66,10 @@ def test_stacked_plans_select_what_each_bucket_selects_alone():
 
 
 def test_groups_take_buckets_of_one_key_within_the_slack():
-  class Codec:
+  class Codec(stacking.LoopCodec):
+    linear = False
+    group_tables = encode_table = cut = None
+
     def group_key(self, segs):
       return None if segs.length < 1000 else "big"
 

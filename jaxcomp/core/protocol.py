@@ -215,29 +215,6 @@ class Codec(abc.ABC):
     del x
     return self.decode(payload, key, segs)
 
-  def group_key(self, segs: layout.Segments) -> Any:
-    """None, or a key: buckets of one key may be encoded by one loop over their stack, from
-    :meth:`group_tables` through :meth:`encode_table` and :meth:`cut` (:mod:`jaxcomp.core.stacking`)."""
-    del segs
-    return None
-
-  def group_tables(self, segments: list) -> list:
-    """Each bucket's tables for :meth:`encode_table`: pytrees of one structure and shape for the group."""
-    raise NotImplementedError
-
-  def encode_table(self, x: jax.Array, key: jax.Array, table: Any) -> Any:
-    """The payload of a bucket zero-padded to the group's length, by its ``table``, at the
-    group's shapes: its :meth:`cut` is the bucket's own :meth:`encode`."""
-    raise NotImplementedError
-
-  def cut(self, payload: Any, segs: layout.Segments) -> Any:
-    """A payload of :meth:`encode_table` at the bucket's own shapes."""
-    raise NotImplementedError
-
-  def sent_table(self, x: jax.Array, payload: Any, key: jax.Array, segs: layout.Segments) -> jax.Array:
-    """:meth:`sent` from a payload of :meth:`encode_table` (by default its :meth:`cut`)."""
-    return self.sent(x, self.cut(payload, segs), key, segs)
-
   def aggregate(self, gathered: packing.Gathered, key: jax.Array, segs: layout.Segments,
                 num: int) -> jax.Array:
     """Mean over the workers of the ``gathered`` payloads (:class:`~jaxcomp.collectives.packing.Gathered`).
@@ -360,9 +337,10 @@ class CodecExchange(Exchange):
     return codec.aggregate(gathered, dec_key, segs, ctx.axis.size), local, extra
 
   def exchange_many(self, xs, segments, extras, ctxs):
-    """As :meth:`exchange` for each bucket; a group of a codec with ``group_key`` encoded by one loop."""
+    """As :meth:`exchange` for each bucket; a group of a :class:`~jaxcomp.core.stacking.LoopCodec`'s
+    buckets encoded by one loop."""
     codec, out = self.codec, [None] * len(xs)
-    for idx in ([[i] for i in range(len(xs))] if codec.linear else stacking.groups(codec, segments)):
+    for idx in stacking.groups(codec, segments):
       if len(idx) == 1:
         i = idx[0]
         out[i] = tuple(self.exchange(xs[i], segments[i], extras[i], ctxs[i])) + (xs[i],)

@@ -3,7 +3,7 @@
 Every bucket of a model has its own length and segment layout, and a codec built on static
 :class:`~jaxcomp.core.layout.Segments` compiles kernels of its own for each: a method's compile
 time grows with its number of buckets (docs/benchmarks.md, "One program per method"). A codec
-that can read its per-segment sizes as data (``Codec.group_key`` not None) has the buckets of
+that can read its per-segment sizes as data (a :class:`LoopCodec`) has the buckets of
 one key and of similar lengths (:func:`groups`) zero-padded to the longest, stacked, and encoded
 by one loop (:func:`exchange_stacked`), its tables as arrays
 (:mod:`jaxcomp.core.tables`). Each bucket's payload is then cut to its own shapes, so the
@@ -12,6 +12,7 @@ collectives, the bytes on the wire and the decode are those of the bucket alone.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, List, Sequence
 
 import jax
@@ -22,6 +23,37 @@ from jaxcomp.collectives import ops
 from jaxcomp.collectives.axis import Axis
 from jaxcomp.core import tables
 
+
+class LoopCodec(abc.ABC):
+  """A mixin for a :class:`~jaxcomp.core.protocol.Codec` whose buckets may be encoded by one loop.
+
+  Buckets of one :meth:`group_key` (None: this bucket alone) run from :meth:`group_tables`
+  through :meth:`encode_table` and :meth:`cut`; :meth:`sent_table` gives what each sent.
+  """
+
+  @abc.abstractmethod
+  def group_key(self, segs) -> Any:
+    """None, or a key: buckets of one key may share one loop."""
+
+  @abc.abstractmethod
+  def group_tables(self, segments: list) -> list:
+    """Each bucket's tables for :meth:`encode_table`: pytrees of one structure and shape for the group."""
+
+  @abc.abstractmethod
+  def encode_table(self, x: jax.Array, key: jax.Array, table: Any) -> Any:
+    """The payload of a bucket padded to the group's length (its entries past the bucket's end are
+    zeros in a segment of their own), by its ``table``, at the group's shapes: its :meth:`cut`
+    is the bucket's own ``encode``."""
+
+  @abc.abstractmethod
+  def cut(self, payload: Any, segs) -> Any:
+    """A payload of :meth:`encode_table` at the bucket's own shapes."""
+
+  def sent_table(self, x: jax.Array, payload: Any, key: jax.Array, segs) -> jax.Array:
+    """The codec's ``sent`` from a payload of :meth:`encode_table` (by default its :meth:`cut`)."""
+    return self.sent(x, self.cut(payload, segs), key, segs)
+
+
 SLACK = 2
 """A bucket joins a group when the group's longest is at most ``SLACK`` times its length: the
 padding costs each loop step at most that factor of the bucket's own work."""
@@ -30,9 +62,12 @@ padding costs each loop step at most that factor of the bucket's own work."""
 def groups(codec: Any, segments: Sequence[Any]) -> List[List[int]]:
   """The buckets (indices into ``segments``) that run as one loop; a bucket alone runs as before.
 
-  Buckets of one ``codec.group_key`` are taken longest first; each starts a group or joins the
-  current one while the group's longest is at most :data:`SLACK` times its length.
+  Buckets of one ``codec.group_key`` (a :class:`LoopCodec`'s) are taken longest first; each
+  starts a group or joins the current one while the group's longest is at most :data:`SLACK`
+  times its length.
   """
+  if codec.linear or not isinstance(codec, LoopCodec):
+    return [[i] for i in range(len(segments))]
   by_key: dict = {}
   out: List[List[int]] = []
   for i, segs in enumerate(segments):

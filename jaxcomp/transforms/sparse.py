@@ -35,6 +35,7 @@ from jaxcomp.core.builder import build
 from jaxcomp.core.layout import Segments
 from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route
+from jaxcomp.core.stacking import LoopCodec
 from jaxcomp.exchanges.scatter import ScatterCodec
 from jaxcomp.kernels import segtopk
 from jaxcomp.kernels.sparse import kept, scatter_mean, zeros_after
@@ -91,7 +92,7 @@ def _offset_dtype(block: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class TopKCodec(Codec, ScatterCodec):
+class TopKCodec(Codec, ScatterCodec, LoopCodec):
   """The k largest |x| of each leaf (``scope="layer"``) or of the bucket: values + positions."""
 
   leaf_segments = False  # transport="scatter": one budget per chunk
