@@ -3,9 +3,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from harness import AXIS, N, init_stacked, pmap_wire_bytes, run_pmap, run_shard_map
-from jax.sharding import AxisType
+from harness import AXIS, N, init_stacked, own_step, pmap_wire_bytes, run_pmap, run_shard_map
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
@@ -161,3 +162,68 @@ def test_one_loop_under_a_warm_up_and_over_a_fast_axis_equals_bucket_by_bucket()
   looped = jaxcomp.configure(tx, loop_buckets=True)
   for a, b in zip(jax.tree.leaves(two_level(looped)), jax.tree.leaves(two_level(tx)), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_one_loop_in_the_users_own_gspmd_step_equals_bucket_by_bucket():
+  """jaxcomp.on_shards over "dcn" on a (dcn, fsdp, tensor) mesh: each device's shards (two of
+  131072 entries, a bucket each) in one loop, the same parameters as bucket by bucket."""
+  mesh = jax.make_mesh((2, 2, 2), ("dcn", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,
+                       devices=jax.devices()[:8])
+  specs = {"w1": P("fsdp", "tensor"), "w2": P("tensor", "fsdp")}
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  params = {"w1": jax.random.normal(k1, (512, 1024)) / 16, "w2": jax.random.normal(k2, (1024, 512)) / 32}
+  r = np.random.default_rng(0)
+  batch = jax.device_put((r.standard_normal((32, 512)).astype(np.float32),
+                          r.standard_normal((32, 512)).astype(np.float32)),
+                         NamedSharding(mesh, P(("dcn", "fsdp"))))
+
+  def loss(p, b):
+    h = jax.lax.with_sharding_constraint(jax.nn.relu(b[0] @ p["w1"]), P("fsdp", "tensor"))
+    return jnp.mean((h @ p["w2"] - b[1]) ** 2)
+
+  def train(tx):
+    tx, step = own_step(loss, optax.chain(tx, optax.sgd(0.1)), mesh, specs)
+    p = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    state = jax.jit(tx.init)(p)
+    for _ in range(2):
+      p, state, _ = step(p, state, batch)
+    return jax.device_get(p)
+
+  tx = jaxcomp.topk(0.01, axis_name="dcn", bucket_bytes=2 ** 19)
+  shards = [b.segments for b in tx.settings.method.buckets([jnp.zeros((256, 512)), jnp.zeros((512, 256))])]
+  assert stacking.groups(sparse.TopKCodec(0.01), shards) == [[0, 1]]  # the two shards' buckets: one loop
+  for a, b in zip(jax.tree.leaves(train(jaxcomp.configure(tx, loop_buckets=True))),
+                  jax.tree.leaves(train(tx)), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_one_loop_inside_nnx_optimizer_equals_bucket_by_bucket():
+  from flax import nnx
+
+  class Wide(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(256, 512, use_bias=False, rngs=rngs)
+      self.b = nnx.Linear(512, 256, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(jax.nn.relu(self.a(x)))
+
+  r = np.random.default_rng(0)
+  x, y = (jnp.asarray(r.standard_normal((16, 256)), jnp.float32) for _ in range(2))
+
+  def train(tx):
+    model = Wide(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.chain(tx, optax.sgd(0.1)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+      opt.update(model, nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model))
+
+    for _ in range(2):
+      step(model, opt)
+    return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+  tx = jaxcomp.topk(0.01, bucket_bytes=2 ** 19)  # two kernels of 131072 entries: a bucket each, one loop
+  looped = train(jaxcomp.configure(tx, loop_buckets=True))
+  for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(train(tx)), strict=True):
+    np.testing.assert_array_equal(a, b)
