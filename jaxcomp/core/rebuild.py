@@ -33,8 +33,9 @@ def configure(tx: Any, *, memory: Memory | None = None, start_step: int | None =
       the transformation's.
     loop_buckets: True encodes the buckets of similar lengths by one loop over their stack, for
       codecs that can (top-k's exact selection with chunk16 positions; others bucket by
-      bucket): compile time stops growing with their number, at the cost of a copy of the
-      stack and its padding every step (docs/benchmarks.md, "One loop over the buckets").
+      bucket): compile time stops growing with their number, at the cost of the padding's
+      work and the stack's write every step, and of the buckets' encodes no longer running
+      side by side (docs/benchmarks.md, "One loop over the buckets").
       The same outputs, state and bytes, bit for bit. None keeps the transformation's.
 
   Returns:

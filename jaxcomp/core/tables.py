@@ -4,9 +4,9 @@ A bucket's :class:`~jaxcomp.core.layout.Segments` are static: every kernel built
 its offsets and sizes as constants, so each bucket of a model compiles kernels of its own. A
 :class:`SegmentTable` holds the same tables as arrays, all of one shape for a group of buckets
 (:func:`group_tables`): each bucket zero-padded to the group's longest and its segments
-followed by empty ones and one last segment over its padding, so that one ``lax.map`` over the
+followed by empty ones and one last segment over its padding, so that one loop over the
 stacked buckets runs every bucket's codec with the same kernels
-(:meth:`jaxcomp.core.protocol.CodecExchange.exchange_many`).
+(:func:`jaxcomp.core.stacking.exchange_stacked`).
 """
 
 from __future__ import annotations
