@@ -18,12 +18,17 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 ENV_COORD = "JAXCOMP_COORDINATOR"
 ENV_NPROC = "JAXCOMP_NUM_PROCESSES"
 ENV_PID = "JAXCOMP_PROCESS_ID"
 ENV_NDEV = "JAXCOMP_LOCAL_DEVICES"
+# From this jaxlib on (measured on 0.12.1; 0.10.2 and 0.12.0.1 are fine), an XLA:CPU program
+# whose collectives cross processes blocks forever in its first such collective when it was
+# loaded from the persistent compilation cache; compiled afresh it runs.
+CACHE_HANGS_FROM = (0, 12, 1)
 
 
 def free_port() -> int:
@@ -45,6 +50,10 @@ def initialize(local_devices: Optional[int] = None, timeout_s: int = 60,
   aborts every survivor with "Terminating process because the JAX
   distributed service detected fatal errors" (JAX's default is 100 s). A
   peer that hangs but lives keeps beating: use :class:`Watchdog` for that.
+
+  On jaxlib ``CACHE_HANGS_FROM`` and later it turns JAX's persistent
+  compilation cache off, with a warning: there, a program loaded from it
+  blocks in its first collective across processes.
   """
   import jax
 
@@ -68,6 +77,28 @@ def initialize(local_devices: Optional[int] = None, timeout_s: int = 60,
   )
   if jax.local_device_count() != n:
     raise RuntimeError(f"asked for {n} local CPU devices, JAX made {jax.local_device_count()}")
+  _guard_compilation_cache(jax)
+
+
+def _jaxlib_version() -> tuple:
+  from importlib.metadata import version
+
+  return tuple(int(p) for p in version("jaxlib").split(".") if p.isdigit())
+
+
+def _guard_compilation_cache(jax) -> None:
+  """Turns JAX's persistent compilation cache off where loading from it hangs (``CACHE_HANGS_FROM``)."""
+  if _jaxlib_version() < CACHE_HANGS_FROM:
+    return
+  if not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+    return
+  jax.config.update("jax_enable_compilation_cache", False)
+  warnings.warn(
+      f"jaxcomp.training.launch.initialize: the persistent compilation cache "
+      f"({jax.config.jax_compilation_cache_dir}) is now off in this process: on jaxlib "
+      f"{'.'.join(map(str, _jaxlib_version()))} a multi-process CPU program loaded from it blocks forever "
+      f"in its first collective across processes. Set jax_enable_compilation_cache=True after "
+      f"initialize() to use it anyway.", RuntimeWarning, stacklevel=3)
 
 
 class Watchdog:
