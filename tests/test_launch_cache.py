@@ -12,7 +12,6 @@ cache stays on and serves the second run.
 from __future__ import annotations
 
 import os
-import sys
 from importlib.metadata import version
 
 import numpy as np
@@ -22,7 +21,7 @@ from jaxcomp.training import launch
 TIMEOUT_S = 120  # each process runs 4 small programs; a hang still ends
 
 
-def _worker(out: str) -> None:
+def _worker() -> None:
   import jax
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -54,7 +53,7 @@ def test_a_program_from_the_cache_runs_across_processes(tmp_path):
   cache.mkdir()
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  results = launch.launch([os.path.abspath(__file__), str(tmp_path)], num_processes=2, local_devices=2,
+  results = launch.launch([os.path.abspath(__file__)], num_processes=2, local_devices=2,
                           timeout_s=TIMEOUT_S, env=env, stop_after_failure_s=20)
   hangs = tuple(int(p) for p in version("jaxlib").split(".") if p.isdigit()) >= launch.CACHE_HANGS_FROM
   for r in results:
@@ -69,4 +68,4 @@ def test_a_program_from_the_cache_runs_across_processes(tmp_path):
 
 
 if __name__ == "__main__":
-  _worker(sys.argv[1])
+  _worker()
