@@ -249,3 +249,29 @@ def test_topk_options_under_pmap_are_the_mean_of_the_workers_selections(kw):
 def test_topk_bad_options_are_named(kw, match):
   with pytest.raises((ValueError, TypeError), match=match):
     jaxcomp.topk(**kw)
+
+
+def test_payload_bytes_are_traced_once_per_codec_and_layout(monkeypatch):
+  """The accounting asks for the same buckets many times (advise, auto_plan): each is traced once."""
+  from jaxcomp.core import layout
+  from jaxcomp.transforms.dense import CastCodec
+  from jaxcomp.transforms.quantize import QSGDCodec
+
+  traced = []
+  real = layout._traced_payload_bytes
+  monkeypatch.setattr(layout, "_traced_payload_bytes", lambda c, s: traced.append(c) or real(c, s))
+  layout._cached_payload_bytes.cache_clear()
+  segs = layout.Segments((0, 128), (100, 60), ((100,), (60,)), 128)
+  codec = QSGDCodec(levels=7)
+  first = layout.payload_bytes(codec, segs)
+  assert layout.payload_bytes(QSGDCodec(levels=7), segs) == first and len(traced) == 1
+  layout.payload_bytes(QSGDCodec(levels=127), segs)
+  assert len(traced) == 2  # another codec: traced
+  assert layout.payload_bytes(CastCodec("float16"), segs) == 2 * segs.length
+
+  class Unhashable(CastCodec):
+    __hash__ = None
+
+  assert layout.payload_bytes(Unhashable("bfloat16"), segs) == 2 * segs.length
+  assert layout.payload_bytes(Unhashable("bfloat16"), segs) == 2 * segs.length
+  assert sum(isinstance(c, Unhashable) for c in traced) == 2  # no cache: traced each time

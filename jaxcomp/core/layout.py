@@ -351,3 +351,30 @@ def unpack(buckets: Sequence[Bucket], vectors: Sequence[jax.Array], like: Sequen
         leaf = lax.slice_in_dim(leaf, 0, segs.sizes[s], axis=-1)
       out[i] = leaf.reshape(lead + shapes[i]).astype(dtypes[i])
   return out
+
+
+def payload_bytes(codec: Any, segs: Segments) -> int:
+  """Bytes of ``codec.encode``'s payload for a float32 bucket laid out as ``segs``.
+
+  Read from the shapes of the encode, traced once (``jax.eval_shape``) per codec and layout: the
+  accounting (:func:`jaxcomp.wire_bytes`, :func:`jaxcomp.traffic`, :func:`jaxcomp.advise`,
+  :func:`jaxcomp.auto_plan`) asks for the same buckets many times.
+  """
+  try:
+    key = (codec, segs, bool(jax.config.read("jax_enable_x64")))
+    hash(key)
+  except TypeError:  # a codec with an unhashable field: traced every time
+    return _traced_payload_bytes(codec, segs)
+  return _cached_payload_bytes(key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_payload_bytes(key) -> int:
+  return _traced_payload_bytes(*key[:2])
+
+
+def _traced_payload_bytes(codec: Any, segs: Segments) -> int:
+  x = jax.ShapeDtypeStruct((segs.length,), jnp.float32)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  shapes = jax.eval_shape(lambda x, k: codec.encode(x, k, segs), x, key)
+  return int(sum(np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))

@@ -358,10 +358,7 @@ class CodecExchange(Exchange):
     return enc, (enc if self.codec.shared_key else ctx.key)
 
   def bucket_wire_bytes(self, segs, workers=None):
-    x = jax.ShapeDtypeStruct((segs.length,), jnp.float32)
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    shapes = jax.eval_shape(lambda x, k: self.codec.encode(x, k, segs), x, key)
-    return int(sum(np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
+    return layout.payload_bytes(self.codec, segs)
 
 
 DENSE = CodecExchange(DenseCodec())

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -292,11 +291,8 @@ def chunk_payload_bytes(ex: ScatterExchange, segs: layout.Segments, workers: int
 
 
 def _payload_bytes(codec, segs: layout.Segments, workers: int, block: int) -> int:
-  cs = layout.chunk_segments(segs, workers, block, _traits(codec).leaf_segments)
-  x = jax.ShapeDtypeStruct((cs.length,), jnp.float32)
-  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-  shapes = jax.eval_shape(lambda x, k: codec.encode(x, k, cs), x, key)
-  return int(sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
+  chunk = layout.chunk_segments(segs, workers, block, _traits(codec).leaf_segments)
+  return layout.payload_bytes(codec, chunk)
 
 
 @dataclasses.dataclass(frozen=True)
