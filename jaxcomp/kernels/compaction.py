@@ -21,6 +21,8 @@ patterns, the form the threshold searches (:mod:`jaxcomp.kernels.selection`,
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -308,6 +310,31 @@ def cap_segments(words: jax.Array, segs: Segments, caps, start_words: jax.Array 
   return keep_first_bits(words, q), jnp.minimum(total, caps)
 
 
+class Counted(NamedTuple):
+  """A bucket's mask words counted per segment, before any capacity (:func:`count_segments`)."""
+
+  words: jax.Array
+  excl: jax.Array  # set bits before each word
+  base: jax.Array  # set bits before each segment (int32 (S,))
+  total: jax.Array  # set bits in each segment (int32 (S,))
+  start: jax.Array | None  # the first word of each segment's circular order, or None (index order)
+  before: jax.Array | None  # set bits of each segment before its start word
+
+
+def count_segments(words: jax.Array, segs: Segments, start_words: jax.Array | None = None) -> Counted:
+  """The part of :func:`compact_segments` that no capacity changes: one prefix sum over the words.
+
+  Selections of one mask at several capacities (a warm-up's stages) count it once and compact it
+  at each with :func:`compact_counted`.
+  """
+  _per_word(segs)
+  excl, first, nw, base, total = _word_counts(words, segs)
+  if start_words is None:
+    return Counted(words, excl, base, total, None, None)
+  start = jnp.asarray(first, jnp.int32) + start_words.astype(jnp.int32) % jnp.asarray(nw, jnp.int32)
+  return Counted(words, excl, base, total, start, excl[start] - base)
+
+
 def compact_segments(words: jax.Array, segs: Segments, caps, capacity: int | None = None,
                      start_words: jax.Array | None = None):
   """:func:`cap_segments` then :func:`compact`, from one prefix sum over the words.
@@ -319,21 +346,24 @@ def compact_segments(words: jax.Array, segs: Segments, caps, capacity: int | Non
   of used slots and the bits kept per segment (int32 (S,)). ``capacity``
   (static) defaults to ``sum(caps)``, which must then be static.
   """
-  _per_word(segs)
+  return compact_counted(count_segments(words, segs, start_words), segs, caps, capacity)
+
+
+def compact_counted(counted: Counted, segs: Segments, caps, capacity: int | None = None):
+  """:func:`compact_segments` of a mask already counted (:func:`count_segments`)."""
   if capacity is None:
     capacity = int(np.sum(np.asarray(caps)))
   caps = jnp.asarray(caps, jnp.int32)
-  excl, first, nw, base, total = _word_counts(words, segs)
+  words, excl, base, total = counted.words, counted.excl, counted.base, counted.total
   kept = jnp.minimum(total, caps)
   seg_out = exclusive_prefix(kept)  # the segment's first slot
-  if start_words is None:
+  if counted.start is None:
     base_w, cap_w, out_w = segment_columns((base, caps, seg_out), segs)
     local = excl - base_w  # set bits before each word in its segment
     rank = local
     out = out_w + jnp.minimum(local, cap_w)  # slots before the word's: kept bits before it
   else:
-    start = jnp.asarray(first, jnp.int32) + start_words.astype(jnp.int32) % jnp.asarray(nw, jnp.int32)
-    before = excl[start] - base
+    start, before = counted.start, counted.before
     after = total - before  # bits from the start word on: the first in circular order
     room = jnp.maximum(caps - after, 0)  # slots left for the words before the start word
     base_w, cap_w, out_w, start_w, before_w, after_w, room_w, early_w = segment_columns(

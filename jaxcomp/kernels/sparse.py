@@ -37,8 +37,19 @@ def select(mask: jax.Array, segs: Segments, caps, key: jax.Array, word: int = 0)
   order from a random 32-entry word of the segment (new each step), so no
   region of a leaf is starved when its capacity is too small.
   """
+  return take(count_selection(mask, segs, key, word), segs, caps)
+
+
+def count_selection(mask: jax.Array, segs: Segments, key: jax.Array, word: int = 0) -> compaction.Counted:
+  """What :func:`select` does before any capacity: the mask packed and counted, each segment's random
+  start word drawn. A mask selected at several capacities (a warm-up's stages) is counted once."""
   start = rng.word_ints(key, word, np.asarray(segs.padded_sizes, np.int64) // 32)
-  idx, count, _ = compaction.compact_segments(compaction.pack_mask(mask), segs, caps, start_words=start)
+  return compaction.count_segments(compaction.pack_mask(mask), segs, start)
+
+
+def take(counted: compaction.Counted, segs: Segments, caps):
+  """:func:`select`'s ``(positions, count)`` at ``caps`` from a counted mask (:func:`count_selection`)."""
+  idx, count, _ = compaction.compact_counted(counted, segs, caps)
   return idx, count
 
 

@@ -72,13 +72,14 @@ from jaxcomp.core.warmup import warmup_stages
 from jaxcomp.exchanges.scatter import ScatterCodec, ScatterForm
 from jaxcomp.kernels import rng
 from jaxcomp.kernels.sparse import (
-  select,
+  count_selection,
   sent_mask,
   sparse_bytes,
   sparse_decode,
   sparse_kept,
   sparse_mean,
   sparse_payload,
+  take,
   valid_indices,
 )
 from jaxcomp.kernels.thresholds import (
@@ -160,7 +161,16 @@ class DGCExchange(Exchange, ScatterForm):
 
   def payload(self, x, a, thr, key, segs: Segments):
     """What the thresholds select, at most this exchange's capacity per segment."""
-    idx, count = select(passes(a, segs.spread(thr)), segs, self.caps(segs), key, word=1)
+    return self.counted_payload(x, self.counted(a, thr, key, segs), segs)
+
+  @staticmethod
+  def counted(a, thr, key, segs: Segments):
+    """The mask the thresholds select, counted (:func:`count_selection`): the same at every stage."""
+    return count_selection(passes(a, segs.spread(thr)), segs, key, word=1)
+
+  def counted_payload(self, x, counted, segs: Segments):
+    """:meth:`payload` from the counted mask: its compaction at this exchange's capacity."""
+    idx, count = take(counted, segs, self.caps(segs))
     return sparse_payload(x, idx, count, segs.length)
 
   def encode(self, x, key, ratio, segs: Segments):
@@ -196,17 +206,18 @@ class DGCExchange(Exchange, ScatterForm):
     """The exchange of ``stages[index]`` (DGC exchanges of a warm-up, this one first).
 
     The stages differ in their ratio and capacity only: the thresholds are
-    estimated once with the stage's ratio as data, and only the selection,
-    payload and all-gather (each stage's own capacity) are switched on the stage.
+    estimated once with the stage's ratio as data and the mask they select is
+    counted once; only its compaction, the payload and the all-gather (each
+    stage's own capacity) are switched on the stage.
     """
     key = jax.random.fold_in(ctx.key, ctx.axis.index)
     shared = self.stage_thresholds(stages, [ex.ratio(ctx.count) for ex in stages], index, x, key, segs)
     if shared is None:
       return super().exchange_stages(stages, index, x, segs, extra, ctx)
-    a, thr = shared
+    counted = self.counted(*shared, key, segs)
 
     def send(ex):
-      return ops.varying(self._send(x, ex.payload(x, a, thr, key, segs), segs, ctx), ctx.axis)
+      return ops.varying(self._send(x, ex.counted_payload(x, counted, segs), segs, ctx), ctx.axis)
 
     mean, mask = lax.switch(index, [lambda ex=ex: send(ex) for ex in stages])
     return mean, jnp.where(mask, x, 0.0), extra
@@ -231,16 +242,17 @@ class DGCCodec(Codec, ScatterCodec):
     return self.exchange.encode(x, key, self.ratio, segs)
 
   def prepare_stages(self, codecs, index, x, key, segs):
-    """The thresholds of the running stage, estimated once (its ratio and sample bounds as data), as
-    :meth:`DGCExchange.exchange_stages` does; None where the stages' sample ratios differ."""
-    return self.exchange.stage_thresholds([c.exchange for c in codecs], [c.ratio for c in codecs], index, x,
-                                          key, segs)
+    """The mask of the running stage's thresholds, estimated once (its ratio and sample bounds as data)
+    and counted once, as :meth:`DGCExchange.exchange_stages` does; None where the stages' sample
+    ratios differ."""
+    shared = self.exchange.stage_thresholds([c.exchange for c in codecs], [c.ratio for c in codecs], index,
+                                            x, key, segs)
+    return None if shared is None else self.exchange.counted(*shared, key, segs)
 
   def encode_prepared(self, x, prepared, key, segs):
     if prepared is None:
       return self.encode(x, key, segs)
-    a, thr = prepared
-    return self.exchange.payload(x, a, thr, key, segs)
+    return self.exchange.counted_payload(x, prepared, segs)
 
   def decode(self, payload, key, segs):
     return sparse_decode(*payload, segs.length)
