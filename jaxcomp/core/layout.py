@@ -360,8 +360,10 @@ def payload_bytes(codec: Any, segs: Segments) -> int:
   accounting (:func:`jaxcomp.wire_bytes`, :func:`jaxcomp.traffic`, :func:`jaxcomp.advise`,
   :func:`jaxcomp.auto_plan`) asks for the same buckets many times.
   """
-  try:
-    key = (codec, segs, bool(jax.config.read("jax_enable_x64")))
+  if type(segs) is not Segments:  # segment tables as data (a loop's): traced every time
+    return _traced_payload_bytes(codec, segs)
+  try:  # the key holds the layout's fields, not ``segs`` and the tables it may have cached
+    key = (codec, segs.offsets, segs.sizes, segs.views, segs.block, bool(jax.config.read("jax_enable_x64")))
     hash(key)
   except TypeError:  # a codec with an unhashable field: traced every time
     return _traced_payload_bytes(codec, segs)
@@ -370,7 +372,7 @@ def payload_bytes(codec: Any, segs: Segments) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _cached_payload_bytes(key) -> int:
-  return _traced_payload_bytes(*key[:2])
+  return _traced_payload_bytes(key[0], Segments(*key[1:5]))
 
 
 def _traced_payload_bytes(codec: Any, segs: Segments) -> int:
