@@ -105,7 +105,8 @@ class ScatterCodec:
   def prepare_stages(self, codecs, index, x, key, segs) -> Any:
     """Work of ``encode`` that the codecs of a schedule's stages (``codecs``, this one first, all of
     this type; ``index`` traced, the stage that runs) share, done once for chunk ``x``: DGC's
-    thresholds, with the running stage's ratio as data. None (the default): nothing shared."""
+    thresholds (the running stage's ratio as data) and the mask they select, counted. None (the
+    default): nothing shared."""
     del codecs, index, x, key, segs
     return None
 
