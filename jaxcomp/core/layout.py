@@ -358,7 +358,8 @@ def payload_bytes(codec: Any, segs: Segments) -> int:
 
   Read from the shapes of the encode, traced once (``jax.eval_shape``) per codec and layout: the
   accounting (:func:`jaxcomp.wire_bytes`, :func:`jaxcomp.traffic`, :func:`jaxcomp.advise`,
-  :func:`jaxcomp.auto_plan`) asks for the same buckets many times.
+  :func:`jaxcomp.auto_plan`) asks for the same buckets many times. A codec's payload shapes must
+  therefore depend on its fields and the layout only, never on a module constant changed later.
   """
   if type(segs) is not Segments:  # segment tables as data (a loop's): traced every time
     return _traced_payload_bytes(codec, segs)
