@@ -82,6 +82,8 @@ def acpsgd(rank: int = 4, *, axis_name: AxisName = None, bucket_bytes: int | Non
     min_size, dense: the leaf policy, see :func:`jaxcomp.build`: leaves of
       fewer than ``min_size`` entries, and those ``dense`` selects, travel
       uncompressed in the fused buffers.
+    dense_axis_name: a fast axis averaged densely before the compressed exchange, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` only: its factors are all-reduced already; ``"scatter"`` raises.
 
   Example:

@@ -169,6 +169,10 @@ def bf16(*, axis_name: AxisName = None, error_feedback: bool = False, bucket_byt
   Each worker casts ``x / N``; bfloat16 has float32's 8 exponent bits, so no
   scale is needed: gradients of any float32 scale keep their 8 bits (the
   output is scale-equivariant under power-of-two scaling as it is).
+
+  Args:
+    axis_name, bucket_bytes, min_size, dense, dense_axis_name: see :func:`jaxcomp.build`.
+    error_feedback: carry the rounding error in a residual (default False).
     transport: ``"gather"`` or ``"scatter"``: the same all-reduce (its bytes are flat in N already).
 
   References:

@@ -347,7 +347,8 @@ def inceptionn(error_bound: float | None = None, capacity: float = 1.0, *, axis_
     error_feedback: on by default: the dropped values below the bound and
       whatever did not fit in the stream are carried, so nothing is lost.
     seed: seeds the key (the per-step stream rotation).
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter` (the
       relative bound is then per chunk).

@@ -292,7 +292,8 @@ def powersgd(rank: int = 4, *, axis_name: AxisName = None, min_compression_rate:
     start_step: steps of dense allreduce before compression starts (>= 0).
     error_feedback: keep M - P Q^T in the residual (default True).
     seed: seeds the initial Q.
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` only: its factors are all-reduced already; ``"scatter"`` raises.
 
   Example:

@@ -82,7 +82,8 @@ def qsgd(levels: int = 127, *, axis_name: AxisName = None, error_feedback: bool 
     error_feedback: off by default (QSGD is unbiased); on, the rounding error
       is carried.
     seed: seeds the key.
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
@@ -169,7 +170,8 @@ def terngrad(clip_sigma: float | None = 2.5, *, axis_name: AxisName = None,
     error_feedback: off by default (the code is unbiased given the clipping);
       on, the quantization and clipping error is carried in a residual.
     seed: seeds the key.
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
@@ -280,7 +282,8 @@ def natural(bits: int = 8, *, axis_name: AxisName = None, error_feedback: bool =
     axis_name: the data-parallel axis, or None for a local round trip.
     error_feedback: off by default (the code is unbiased).
     seed: seeds the key.
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 

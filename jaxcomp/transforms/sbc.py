@@ -316,8 +316,9 @@ def sbc(sparsity: float = 0.01, delay: int = 1, *, axis_name: AxisName = None,
       at ``golomb.max_stream_bits``, which no set of K positions exceeds
       (about 4-6% above the expected length at p = 0.001-0.01).
     seed: seeds the state's key (SBC itself draws nothing).
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`;
-      by default every leaf is compressed (``min_size=0``), see :data:`jaxcomp.core.policy.EVERY_LEAF`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`; by default every leaf is compressed (``min_size=0``), see
+      :data:`jaxcomp.core.policy.EVERY_LEAF`.
     transport: ``"gather"`` only: its sync schedule and Golomb stream have no
       scatter form; ``"scatter"`` raises.
     optimizer: the local optimizer SBC wraps (an optax

@@ -145,7 +145,8 @@ def signsgd(*, axis_name: AxisName = None, error_feedback: bool = False, seed: i
     error_feedback: carry ``x - mean|x| * sign(x)`` (see above); default False.
     seed: seeds the state's key (unused).
     ties: what a tied vote gives: ``"zero"`` (default) or ``"positive"`` (+1).
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
@@ -205,7 +206,8 @@ def efsignsgd(lr: float = 0.1, *, axis_name: AxisName = None, seed: int = 0, buc
       be > 0.
     axis_name: the data-parallel axis, or None.
     seed: seeds the state's key (unused).
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
@@ -261,7 +263,8 @@ def signum(momentum: float = 0.9, *, axis_name: AxisName = None, seed: int = 0, 
     axis_name: the data-parallel axis, or None.
     seed: seeds the state's key (unused).
     ties: what a tied vote gives: ``"zero"`` (default) or ``"positive"`` (+1).
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
@@ -318,7 +321,8 @@ def onebit(*, axis_name: AxisName = None, error_feedback: bool = True, seed: int
     axis_name: the data-parallel axis, or None.
     error_feedback: carry the quantization error (default True).
     seed: seeds the state's key (unused).
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 

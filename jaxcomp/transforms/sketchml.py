@@ -221,7 +221,8 @@ def sketchml(buckets: int = 64, sample_size: int = 16384, *, axis_name: AxisName
     error_feedback: off by default (as in GRACE); on, each entry's distance
       to its bucket mean is carried in a residual.
     seed: seeds the key (used for the sample).
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 

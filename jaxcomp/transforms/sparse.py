@@ -267,8 +267,9 @@ def topk(ratio: float = 0.01, *, axis_name: AxisName = None, error_feedback: boo
       search; ``"bucket"``: the ``ceil(ratio * m)`` largest of the whole
       bucket of m entries (one selection over fused layers, as in bucketed
       top-k systems), positions relative to the bucket.
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`;
-      by default every leaf is compressed (``min_size=0``), see :data:`jaxcomp.core.policy.EVERY_LEAF`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`; by default every leaf is compressed (``min_size=0``), see
+      :data:`jaxcomp.core.policy.EVERY_LEAF`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
@@ -379,11 +380,11 @@ def randomk(ratio: float = 0.01, *, axis_name: AxisName = None, error_feedback: 
     unbiased: scale each sent value by its stratum's length ``c`` so that the
       estimate is unbiased (use with ``error_feedback=False``).
     seed: seeds the shared key.
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`. Unlike the
-      other sparsifiers, random-k keeps small leaves dense by default (1024 entries): compressed,
-      a bias of 10 entries sends one random entry a step, and its momentum-corrected residual
-      grows until the step lands (the digits MLP diverged, docs/recipes.md); dense they add
-      little to its bytes on ResNet-50's shapes.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`. Unlike the other sparsifiers, random-k keeps small leaves dense by
+      default (1024 entries): compressed, a bias of 10 entries sends one random entry a step,
+      and its momentum-corrected residual grows until the step lands (the digits MLP diverged,
+      docs/recipes.md); dense they add little to its bytes on ResNet-50's shapes.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 

@@ -111,7 +111,8 @@ def u8bit(*, axis_name: AxisName = None, error_feedback: bool = False, seed: int
     error_feedback: off by default (as in GRACE); on, the rounding error is
       carried in a residual.
     seed: seeds the state's key (the code itself uses no randomness).
-    bucket_bytes, min_size, dense: the bucket policy, see :func:`jaxcomp.build`.
+    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
+      :func:`jaxcomp.build`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
