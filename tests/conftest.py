@@ -81,6 +81,7 @@ import jaxcomp.core.policy  # noqa: E402
 DEFAULT_MIN_SIZE = jaxcomp.core.policy.MIN_SIZE  # the library's policy, which every test runs under
 
 
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 
 import jax  # noqa: E402
@@ -105,6 +106,37 @@ def every_leaf_module():
   """:func:`every_leaf` for a whole module (hypothesis tests take no function-scoped fixture)."""
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(jaxcomp.core.policy, "MIN_SIZE", 1)
+    yield
+
+
+@contextlib.contextmanager
+def _optimized(marked: bool):
+  """Compiles with XLA's optimizations inside a module or test marked ``optimized``.
+
+  The suite's fast-compile setting (``_fast_compile_flags``) halves compile time but runs
+  XLA:CPU's programs two to six times slower, which the few tests that train for hundreds of
+  steps pay back many times over. A module (``pytestmark``) or test marked
+  ``pytest.mark.optimized`` compiles with the optimizations on; the processes it starts keep the
+  suite's setting.
+  """
+  before = jax.config.values["jax_disable_most_optimizations"]
+  if marked:
+    jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_optimized(request):
+  with _optimized(request.node.get_closest_marker("optimized") is not None):
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _test_optimized(request):
+  with _optimized(any(m.name == "optimized" for m in request.node.own_markers)):
     yield
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from jaxcomp_bench import longrun
 
+pytestmark = pytest.mark.optimized  # thousands of steps: XLA's optimizations pay (tests/conftest.py)
+
 STEPS = 2000
 
 
@@ -33,3 +35,10 @@ def test_long_run_keeps_its_promises(name):
     # wraps instead): the residual keeps shrinking. A frozen alternation made
     # ACP-SGD's grow again in the second half (0.24 -> 5.3).
     assert r.residual_norm_quarters[-1] < r.residual_norm_quarters[1]
+
+
+def test_the_module_compiles_with_xla_optimizations():
+  """``pytestmark`` above (tests/conftest.py): on inside this module, whatever the suite's setting."""
+  import jax
+
+  assert jax.config.values["jax_disable_most_optimizations"] is False

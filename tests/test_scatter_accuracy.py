@@ -27,6 +27,7 @@ def _accuracy(tx, digits):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # 300 steps twice: XLA's optimizations pay (tests/conftest.py)
 @pytest.mark.parametrize("name", ["topk", "onebit", "threshold", "dgc"])
 def test_scatter_lands_within_1_point_of_gather(name, digits, monkeypatch):
   monkeypatch.setattr(jaxcomp.core.policy, "MIN_SIZE", 1024)  # the library's policy (conftest: every leaf)

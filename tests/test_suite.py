@@ -9,6 +9,8 @@ from jaxcomp.training import recipes
 from jaxcomp_bench import suite
 from jaxcomp_bench.tasks import TASKS
 
+pytestmark = pytest.mark.optimized  # 46 trainings of 300 steps: XLA's optimizations pay (tests/conftest.py)
+
 
 def test_total_steps_scales_every_warmup_to_the_same_fraction_of_the_run():
   # AdamW's tables are stated for 300 steps, SGD's for 600
