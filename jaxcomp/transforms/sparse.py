@@ -267,9 +267,8 @@ def topk(ratio: float = 0.01, *, axis_name: AxisName = None, error_feedback: boo
       search; ``"bucket"``: the ``ceil(ratio * m)`` largest of the whole
       bucket of m entries (one selection over fused layers, as in bucketed
       top-k systems), positions relative to the bucket.
-    bucket_bytes, min_size, dense, dense_axis_name: the bucket policy and the fast axis, see
-      :func:`jaxcomp.build`; by default every leaf is compressed (``min_size=0``), see
-      :data:`jaxcomp.core.policy.EVERY_LEAF`.
+    bucket_bytes, min_size, dense, dense_axis_name: see :func:`jaxcomp.build`; by default every
+      leaf is compressed (``min_size=0``), see :data:`jaxcomp.core.policy.EVERY_LEAF`.
     transport: ``"gather"`` (all-gather the payloads) or ``"scatter"`` (bytes per
       worker flat in the number of workers), see :mod:`jaxcomp.exchanges.scatter`.
 
