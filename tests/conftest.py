@@ -114,8 +114,8 @@ def _optimized(marked: bool):
   """Compiles with XLA's optimizations inside a module or test marked ``optimized``.
 
   The suite's fast-compile setting (``_fast_compile_flags``) halves compile time but runs
-  XLA:CPU's programs two to six times slower, which the few tests that train for hundreds of
-  steps pay back many times over. A module (``pytestmark``) or test marked
+  XLA:CPU's programs two to six times slower: the few tests that train for hundreds of steps lose
+  more in running than they save in compiling (docs/benchmarks.md). A module (``pytestmark``) or test marked
   ``pytest.mark.optimized`` compiles with the optimizations on; the processes it starts keep the
   suite's setting.
   """
