@@ -143,12 +143,12 @@ def _test_optimized(request):
 def _fewer_garbage_collections():
   """Python's cycle collector, run less often: tracing allocates millions of short-lived objects.
 
-  At Python's default thresholds (700, 10, 10) the collector ran about 1,500 times in
-  test_sbc + test_redsync and took 2-2.5 s of their 40-60 s, walking the objects JAX and the
-  libraries hold from import on every full collection. The objects alive after the imports are
-  frozen (never walked again) and the first generation collected after 20,000 allocations: 41
-  collections, 0.5 s. Cycles still go, at the latest at each module's end
-  (``_release_compiled_programs``); values and programs are the same.
+  At Python's default thresholds (700, 10, 10) the collector runs every few hundred allocations and
+  walks the objects JAX and the libraries hold from import on each full collection, a few percent
+  of a module's seconds (docs/benchmarks.md, "The test suite's time"). The objects alive after the
+  imports are frozen (never walked again) and the first generation is collected after 20,000
+  allocations. Cycles still go, at the latest at each module's end (``_release_compiled_programs``);
+  values and programs are the same.
   """
   gc.collect()
   gc.freeze()
