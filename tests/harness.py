@@ -43,11 +43,36 @@ def params_tree():
 
 
 def worker_grads(params, seed: int = 0, n: int = N):
-  """Different random gradients per worker, stacked on a leading axis of size n."""
+  """Different random gradients per worker, stacked on a leading axis of size n.
+
+  Host (numpy) arrays, drawn by numpy: no program is compiled for them, and ``jax.pmap`` places
+  each worker's slice on its device without compiling a slicing program per shape.
+  """
   leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  rng = np.random.default_rng(seed)
   return treedef.unflatten(
-      [jax.random.normal(k, (n,) + leaf.shape, jnp.float32) for k, leaf in zip(keys, leaves)])
+      [rng.standard_normal((n,) + tuple(leaf.shape), np.float32) for leaf in leaves])
+
+
+def set_at(x, index, value):
+  """A numpy copy of ``x`` with ``x[index] = value`` (a NaN planted in a test gradient; nothing compiled)."""
+  y = np.array(x)
+  y[index] = value
+  return y
+
+
+def host(tree):
+  """``tree``'s jax arrays as numpy arrays (typed PRNG keys left as they are).
+
+  A step fed host arrays places each worker's slice directly; fed an array that lives on one
+  device, ``jax.pmap`` first compiles a program that slices it, once per shape and dtype.
+  """
+  def get(x):
+    if isinstance(x, jax.Array) and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return np.asarray(x)
+    return x
+
+  return jax.tree.map(get, tree)
 
 
 def mesh(n: int = N):
@@ -75,13 +100,13 @@ def run_pmap(tx, grads, state):
   Results come back as host arrays, like ``init_stacked``'s, so that a second
   step reuses the compiled program instead of compiling for device-sharded inputs.
   """
-  return jax.device_get(_pmap_step(tx)(grads, state))
+  return jax.device_get(_pmap_step(tx)(host(grads), host(state)))
 
 
 def run_shard_map(tx, grads, state):
   """One step under ``jax.jit(jax.shard_map)`` over a 1-D mesh; same layout as pmap."""
   n = jax.tree.leaves(grads)[0].shape[0]
-  return jax.device_get(_shard_step(tx, n)(grads, state))
+  return jax.device_get(_shard_step(tx, n)(host(grads), host(state)))
 
 
 def init_stacked(tx, params, n: int = N):

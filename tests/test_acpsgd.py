@@ -209,7 +209,7 @@ def test_powersgd_batches_views_per_bucket_in_two_all_reduces_each():
       np.testing.assert_allclose(got, p @ q[i].T, rtol=2e-4, atol=2e-5)
   # A NaN on one worker: every output NaN, the warm-started Qs kept; the next step is finite.
   grads = worker_grads(params, seed=50)
-  grads["c"] = grads["c"].at[3, 0, 0].set(jnp.nan)
+  grads["c"] = harness.set_at(grads["c"], (3, 0, 0), jnp.nan)
   out, new_state = run_pmap(tx, grads, state)
   assert all(np.isnan(np.asarray(x)).all() for x in jax.tree.leaves(out))
   assert_trees_close(new_state.extra, state.extra, 0, 0)

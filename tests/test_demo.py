@@ -2,6 +2,7 @@
 
 import functools
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,7 +177,7 @@ def test_nonfinite_gradient_gives_nan_everywhere_and_finite_momentum():
   grads = worker_grads(params, seed=20)
   state = jax.device_get(_pmap_step(OPT)(grads, state, _stacked(params)))[1]
   grads = worker_grads(params, seed=21)
-  grads["dense"]["kernel"] = grads["dense"]["kernel"].at[3, 5, 7].set(jnp.nan)
+  grads["dense"]["kernel"] = harness.set_at(grads["dense"]["kernel"], (3, 5, 7), jnp.nan)
   updates, new_state = jax.device_get(_pmap_step(OPT)(grads, state, _stacked(params)))
   for u in jax.tree.leaves(updates):
     assert np.all(np.isnan(np.asarray(u)))

@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -358,7 +359,7 @@ def test_non_finite_sync_keeps_the_anchor_and_outer_state():
   the old anchor; the NaN replica stays NaN (an added update cannot repair it: jaxcomp.apply_if_finite
   around diloco skips such a step, tests/test_diloco_compose.py)."""
   params = jax.tree.map(lambda p: p + 1.0, _tree())
-  grads = jax.tree.map(lambda g: g.at[3, 0].set(jnp.nan), _grads(params, 4, seed=7))
+  grads = jax.tree.map(lambda g: harness.set_at(g, (3, 0), jnp.nan), _grads(params, 4, seed=7))
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2, axis_name=AXIS)
   ps, states = pmap_scan(tx, params, grads)
   for p, a, p0 in zip(jax.tree.leaves(ps), jax.tree.leaves(states.anchor), jax.tree.leaves(params)):

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,7 +120,7 @@ def test_multisteps_and_apply_if_finite_wrap_diloco():
   with pytest.raises(ValueError, match="jaxcomp.apply_if_finite"):  # optax's would hang: caught
     pmap_scan(optax.apply_if_finite(tx, 3), params, grads)
   finite = jaxcomp.apply_if_finite(tx, 3, axis_name=AXIS)
-  bad = jax.tree.map(lambda g: g.at[2, 1].set(jnp.nan), grads)  # one worker's gradient at step 1
+  bad = jax.tree.map(lambda g: harness.set_at(g, (2, 1), jnp.nan), grads)  # one worker's gradient at step 1
   got = pmap_scan(finite, params, bad)[0]
   for p in jax.tree.leaves(got):
     np.testing.assert_array_equal(p[:, 1], p[:, 0])  # the NaN step: skipped

@@ -31,6 +31,7 @@ bfloat16, float16, scalar and empty leaves), the documented behaviour:
 import functools
 import inspect
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -248,7 +249,7 @@ def test_odd_gradients_have_the_documented_behaviour(name):
   # One non-finite entry on one worker: NaN, +Inf, -Inf, in each dtype.
   for leaf, worker, bad in (("w", 2, np.nan), ("h", 5, np.inf), ("f", 0, -np.inf), ("s", 7, np.nan)):
     g = _grads(1.0, 1.0, seed=2)
-    g[leaf] = g[leaf].at[(worker,) + (0,) * (g[leaf].ndim - 1)].set(bad)
+    g[leaf] = harness.set_at(g[leaf], ((worker,) + (0,) * (g[leaf].ndim - 1)), bad)
     out, s1 = step(g, state)
     what = f"{bad} in {leaf} on worker {worker}"
     _assert_poisoned(tx, out, what)
