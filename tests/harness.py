@@ -296,7 +296,8 @@ def pmap_scan(tx, params, grads, n: int = N):
 
   grads: leaves (n, steps, ...). Returns (params, state) after each step, leaves (n, steps, ...).
   """
-  out = _scan_step(tx, n)(jaxcomp.per_worker(params, n), jaxcomp.per_worker(tx.init(params), n), grads)
+  start = host((jaxcomp.per_worker(params, n), jaxcomp.per_worker(tx.init(params), n), grads))
+  out = _scan_step(tx, n)(*start)
   return jax.device_get(out)
 
 
