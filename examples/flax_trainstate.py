@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     return state.apply_gradients(grads=grads), loss
 
   p_step = jax.pmap(step, axis_name="data", donate_argnums=0)
-  state = jaxcomp.per_worker(state, WORKERS)
+  state = jaxcomp.per_worker(state, WORKERS, axis_name="data")
   losses = []
   batches = data.worker_batches(ds, WORKERS, args.batch, args.steps, args.seed)
   with tqdm(total=args.steps, desc=args.method, disable=args.no_progress, mininterval=1.0) as bar:

@@ -50,8 +50,8 @@ def main(argv=None) -> dict:
     return optax.apply_updates(params, updates), opt_state, loss
 
   p_step = jax.pmap(step, axis_name="data", donate_argnums=(0, 1))
-  P = jaxcomp.per_worker(params, WORKERS)  # replicas, one per worker
-  S = jaxcomp.per_worker(tx.init(params), WORKERS)  # the state is per worker (own residual)
+  P = jaxcomp.per_worker(params, WORKERS, axis_name="data")  # replicas, placed as p_step's outputs
+  S = jaxcomp.per_worker(tx.init(params), WORKERS, axis_name="data")  # per worker (own residual)
 
   batches = data.worker_batches(ds, WORKERS, args.batch, args.steps, args.seed)
   x, y = next(batches)

@@ -9,6 +9,7 @@ that axis: :func:`local` drops it, :func:`stacked` restores it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Union
 
 import jax
@@ -21,11 +22,22 @@ from jax.sharding import PartitionSpec as P
 def per_worker(state: Any, workers: Union[int, Mesh], axis_name: Any = None) -> Any:
   """Stacks ``state`` once per worker on a new leading axis.
 
+  Each array is repeated from the host (a read-only numpy view: no N copies are
+  written on one device) and placed slice by slice. With N and ``axis_name``
+  (the step's ``jax.pmap(..., axis_name=...)``) the arrays come back placed as
+  that pmap's outputs are, so that the step compiles once: ``jax.pmap``
+  compiles a step again for inputs placed otherwise, and from its second call
+  on it takes its own outputs. With N alone they come back as those host
+  views (the step then compiles for them, and again for its outputs). Leaves
+  that are not concrete arrays (tracers, Python scalars, typed PRNG keys) are
+  broadcast by ``jnp.broadcast_to``.
+
   Args:
     state: any pytree (``tx.init(params)``, or params).
     workers: N (for ``jax.pmap``) or a ``Mesh`` (for ``jax.shard_map``).
     axis_name: with a mesh, the mesh axis (or tuple of axes) of the data-parallel
-      workers; the result is sharded over it.
+      workers; the result is sharded over it. With N, the axis name of the
+      ``jax.pmap`` that takes the result (optional).
   """
   if isinstance(workers, Mesh):
     if axis_name is None:
@@ -38,11 +50,35 @@ def per_worker(state: Any, workers: Union[int, Mesh], axis_name: Any = None) -> 
     for a in names:
       n *= workers.shape[a]
     sharding = NamedSharding(workers, P(axis_name))
-    return jax.tree.map(
-        lambda x: jax.device_put(jnp.broadcast_to(x, (n,) + jnp.shape(x)), sharding), state)
+    return jax.tree.map(lambda x: jax.device_put(_repeat(x, n), sharding), state)
   if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
     raise ValueError(f"workers must be a positive int or a Mesh, got workers={workers!r}")
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (workers,) + jnp.shape(x)), state)
+  stacked = jax.tree.map(lambda x: _repeat(x, workers), state)
+  leaves = jax.tree.leaves(stacked)
+  if axis_name is None or not leaves or any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return stacked
+  if workers > jax.local_device_count():
+    raise ValueError(f"workers={workers} is more than the {jax.local_device_count()} local devices jax.pmap"
+                     " maps over")
+  return _pmap_identity(axis_name)(stacked)
+
+
+def _concrete(x) -> bool:
+  return isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+
+
+def _repeat(x, n: int):
+  """``x`` repeated ``n`` times on a new leading axis: a numpy view where ``x`` is a concrete array."""
+  if not _concrete(x) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return jnp.broadcast_to(x, (n,) + jnp.shape(x))
+  x = np.asarray(x)
+  return np.broadcast_to(x, (n,) + x.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _pmap_identity(axis_name):
+  """The identity under ``jax.pmap(axis_name=axis_name)``: its outputs are placed as that pmap's are."""
+  return jax.pmap(lambda tree: tree, axis_name=axis_name)
 
 
 def local(state: Any) -> Any:
