@@ -10,8 +10,9 @@ the placement decides whether the second call compiles the step again:
 - ``one device``: the tree stacked on the first device by ``jnp.broadcast_to`` (the placement
   ``per_worker(tree, 8)`` returned before it returned host views).
 
-Each placement runs in a fresh process. Printed per placement: the seconds ``per_worker`` took, each
-of the first ``--steps`` calls' seconds (blocked on) and the XLA compiles each caused.
+Each placement runs in a fresh process. Printed per placement: the seconds ``tx.init`` and
+``per_worker`` took together, and each of the first ``--steps`` calls' seconds (blocked on) with
+the XLA compiles it caused.
 
 Usage: ``python benchmarks/first_steps.py [--method topk] [--model resnet50|bert-base|small] [--steps 3]``.
 """
@@ -38,7 +39,7 @@ def _shapes(model: str) -> list:
 
 
 def child(method: str, model: str, placement: str, steps: int) -> dict:
-  """Runs the steps in this process; returns ``{"per_worker": s, "steps": [[s, compiles], ...]}``."""
+  """Runs the steps in this process; returns ``{"init": s, "steps": [[s, compiles], ...]}``."""
   import jaxcomp
 
   jaxcomp.cpu_devices(8)
@@ -70,7 +71,7 @@ def child(method: str, model: str, placement: str, steps: int) -> dict:
   start = time.perf_counter()
   P, S = stack(params), stack(tx.init(params))
   jax.block_until_ready((P, S))
-  out = {"per_worker": time.perf_counter() - start, "steps": []}
+  out = {"init": time.perf_counter() - start, "steps": []}
   rng = np.random.default_rng(0)
   grads = {k: 1e-4 * rng.standard_normal((8,) + v.shape, np.float32) for k, v in params.items()}
   try:
@@ -98,7 +99,7 @@ def main(argv=None) -> None:
 
   print(f"jax {jax.__version__}; {args.method} on {args.model}, 8-worker pmap; s (XLA compiles)")
   steps = "".join(f"{f'step {i + 1}':>16}" for i in range(args.steps))
-  print(f"{'placement':<12}{'per_worker s':>14}{steps}")
+  print(f"{'placement':<12}{'init s':>14}{steps}")
   env = dict(os.environ, PJRT_NPROC="16", PYTHONPATH=os.pathsep.join(
       [ROOT, os.path.join(ROOT, "benchmarks"), os.environ.get("PYTHONPATH", "")]))
   for placement in PLACEMENTS:
@@ -108,7 +109,7 @@ def main(argv=None) -> None:
     if proc.returncode:
       raise SystemExit(f"{placement}: the child failed:\n{proc.stderr[-2000:]}")
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"{placement:<12}{got['per_worker']:>14.2f}"
+    print(f"{placement:<12}{got['init']:>14.2f}"
           + "".join(f"{f'{s:.2f} ({c})':>16}" for s, c in got["steps"]), flush=True)
 
 

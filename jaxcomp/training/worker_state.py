@@ -60,7 +60,8 @@ def per_worker(state: Any, workers: Union[int, Mesh], axis_name: Any = None) -> 
   if workers > jax.local_device_count():
     raise ValueError(f"workers={workers} is more than the {jax.local_device_count()} local devices jax.pmap"
                      " maps over")
-  return _pmap_identity(axis_name)(stacked)
+  sharding = _pmap_output_sharding(axis_name, workers)
+  return jax.tree.map(lambda x: jax.device_put(x, sharding), stacked)
 
 
 def _concrete(x) -> bool:
@@ -76,9 +77,10 @@ def _repeat(x, n: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _pmap_identity(axis_name):
-  """The identity under ``jax.pmap(axis_name=axis_name)``: its outputs are placed as that pmap's are."""
-  return jax.pmap(lambda tree: tree, axis_name=axis_name)
+def _pmap_output_sharding(axis_name, n: int):
+  """Where ``jax.pmap(axis_name=axis_name)`` over ``n`` devices places its outputs (read from the identity
+  on one float per device)."""
+  return jax.pmap(lambda x: x, axis_name=axis_name)(np.zeros((n,), np.float32)).sharding
 
 
 def local(state: Any) -> Any:
