@@ -30,7 +30,7 @@ from jaxcomp.core import checks, layout, policy
 from jaxcomp.core.compression import CompressionTransformation, Settings, record_init
 from jaxcomp.core.groups import groups, join_groups, stack_group
 from jaxcomp.core.method import Method
-from jaxcomp.core.protocol import DENSE, CompressState, MemoryStep, StepContext
+from jaxcomp.core.protocol import DENSE, CompressState, MemoryStep, Opened, StepContext
 from jaxcomp.exchanges import hierarchy
 from jaxcomp.training import finite
 
@@ -175,15 +175,15 @@ def _update(tx: CompressionTransformation, updates, state, params=None):
 
   grads, bucket_params = _bucket(full, buckets, leaves, treedef, params, fast, chunks)
   x, carry = method.memory.compensate(tuple(grads), state.memory)
-  mean, sent, extra, x = _exchange_or_warm_up(method, lambda i: _work_buckets(s, updates, i), x,
-                                               state.extra, ctx, bucket_params)
-  sent = [jnp.where(b.segments.valid(), v, 0.0) if b.segments.has_pads else v
-           for b, v in zip(buckets, sent)]
+  opened, x = _exchange_or_warm_up(method, lambda i: _work_buckets(s, updates, i), x,
+                                    state.extra, ctx, bucket_params)
   # chunks: a NaN lands in one worker's chunk, so the flag goes over both axes
   flag_axis = Axis(axis_names(s.axis_name) + axis_names(s.dense_axis_name), 0, axis.index) \
       if chunks else axis
-  mean, sent, extra = _guard_nonfinite(method.carries_nonfinite(updates), x, mean, sent, extra,
-                                        state, flag_axis, chunks)
+  mean, sent, extra = _guard_nonfinite(method.carries_nonfinite(updates), x, opened, state, flag_axis,
+                                        chunks)
+  sent = [jnp.where(b.segments.valid(), v, 0.0) if b.segments.has_pads else v
+           for b, v in zip(buckets, sent)]
   memory = _remember(method, x, sent, mean, state.memory, buckets, ctx, carry)
   out = method.memory.output(tuple(mean), state.memory, memory)
   if chunks:  # every worker's mean chunk, back in whole buckets (fast axis)
@@ -223,10 +223,11 @@ def _remember(method: Method, x, sent, mean, memory, buckets, ctx: StepContext, 
 
 
 def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: StepContext, params):
-  """The exchanges of the step's stage, or before ``method.start_step`` the dense mean (all sent).
+  """The exchanges of the step's stage, or before ``method.start_step`` the dense mean (all sent):
+  ``(opened, x)``, each :class:`Opened` finishing to lists ``(means, locals, extras)`` of its buckets.
 
   One compiled program holds every stage: ``lax.switch`` on the step count (each bucket's
-  stages switched by its exchange, :func:`_shared_stages`).
+  stages switched by its exchange, :func:`_shared_stages`); a switch runs whole (no poison).
   """
   def dense(x, extras):
     mean = ops.allreduce_sum(tuple(x), ctx.axis)  # one all-reduce for every bucket
@@ -236,8 +237,7 @@ def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: StepContext,
     buckets = layout_of(i)
 
     def compressed(x, extras):
-      mean, sent, extra, _ = _exchange_all(method, buckets, list(x), extras, ctx, params)
-      return list(mean), list(sent), list(extra)
+      return _finish(_exchange_all(method, buckets, list(x), extras, ctx, params)[0], None)
 
     return compressed
 
@@ -247,12 +247,24 @@ def _exchange_or_warm_up(method: Method, layout_of, x, extras, ctx: StepContext,
   stages = [shared] if shared else [stage(i) for i in range(len(method.stages) + 1)]
   branches = ([dense] if method.start_step > 0 else []) + stages
   if len(branches) == 1:
-    return tuple(branches[0](x, extras)) + (x,)
+    return [_done(*branches[0](x, extras))], x
   branches = [lambda x, e, f=f: ops.varying(f(x, e), ctx.axis) for f in branches]
   index = 0 if shared else _stage_index(method, ctx.count)
   if method.start_step > 0:  # dense before start_step, whichever stage the count is in
     index = jnp.where(ctx.count < method.start_step, 0, 1 + index)
-  return tuple(lax.switch(index, branches, tuple(x), tuple(extras))) + (x,)
+  return [_done(*lax.switch(index, branches, tuple(x), tuple(extras)))], x
+
+
+def _done(mean, sent, extra) -> Opened:
+  """Buckets whose exchanges ran whole: their means the witness, no poison."""
+  mean, sent, extra = list(mean), list(sent), list(extra)
+  return Opened(mean, lambda poison: (mean, sent, extra))
+
+
+def _finish(opened, poison):
+  """Every bucket's ``(means, locals, extras)`` from the :class:`Opened` of :func:`_exchange_all`."""
+  parts = [o.finish(poison) for o in opened]
+  return tuple([v for part in parts for v in part[k]] for k in range(3))
 
 
 def _stage_index(method: Method, count) -> jax.Array:
@@ -281,14 +293,14 @@ def _shared_stages(method: Method, layout_of, ctx: StepContext, params):
 
 
 def _exchange_all(method: Method, buckets, x, extras, ctx: StepContext, params):
-  """Each bucket's exchange (or the method's fused exchange): lists of mean, sent, extra, and x as
-  the exchanges read it (:meth:`jaxcomp.core.protocol.Exchange.exchange_many`)."""
+  """Each bucket's exchange (or the method's fused exchange), opened: ``(opened, x)``, x as the
+  exchanges read it (:meth:`jaxcomp.core.protocol.Exchange.exchange_many`)."""
   if method.fused is None:
     ctxs = [ctx._replace(key=jax.random.fold_in(ctx.key, i), params=p) for i, p in enumerate(params)]
     if not method.loop_buckets:
-      results = [tuple(b.exchange.exchange(xb, b.segments, e, c)) + (xb,)
-                 for b, xb, e, c in zip(buckets, x, extras, ctxs)]
-      return [list(r) for r in zip(*results)] if results else ([], [], [], [])
+      opened = [b.exchange.open(xb, b.segments, e, c) for b, xb, e, c in zip(buckets, x, extras, ctxs)]
+      return [Opened(o.witness, lambda p, o=o: tuple([v] for v in o.finish(p)), o.poisons)
+              for o in opened], x
     results: list = [None] * len(buckets)
     by_exchange: dict = {}
     for i, b in enumerate(buckets):
@@ -298,8 +310,8 @@ def _exchange_all(method: Method, buckets, x, extras, ctx: StepContext, params):
                                     [extras[i] for i in idx], [ctxs[i] for i in idx])
       for i, r in zip(idx, done):
         results[i] = r
-    return [list(r) for r in zip(*results)] if results else ([], [], [], [])
-  return _exchange_fused(method, buckets, x, extras, ctx) + (x,)
+    return [_done(*r[:3]) for r in zip(*results)], [r[3] for r in results]
+  return [_exchange_fused(method, buckets, x, extras, ctx)], x
 
 
 def _exchange_fused(method: Method, buckets, x, extras, ctx: StepContext):
@@ -311,15 +323,19 @@ def _exchange_fused(method: Method, buckets, x, extras, ctx: StepContext):
       xs.append(stack_group(xb, b.segments, view, idx))
       states.append(extras[i][g])
       where.append(i)
-  fused = method.fused(plan, xs, tuple(states), ctx)
-  mean, sent, new_extra = ([[] for _ in buckets] for _ in range(3))
-  for i, (m, loc, e) in zip(where, fused):
-    mean[i].append(m)
-    sent[i].append(loc)
-    new_extra[i].append(e)
-  return ([join_groups(groups(b.segments), m, b.segments) for m, b in zip(mean, buckets)],
-          [join_groups(groups(b.segments), loc, b.segments) for loc, b in zip(sent, buckets)],
-          [tuple(e) for e in new_extra])
+  fused = method.fused.open(plan, xs, tuple(states), ctx)
+
+  def finish(poison):
+    mean, sent, new_extra = ([[] for _ in buckets] for _ in range(3))
+    for i, (m, loc, e) in zip(where, fused.finish(poison)):
+      mean[i].append(m)
+      sent[i].append(loc)
+      new_extra[i].append(e)
+    return ([join_groups(groups(b.segments), m, b.segments) for m, b in zip(mean, buckets)],
+            [join_groups(groups(b.segments), loc, b.segments) for loc, b in zip(sent, buckets)],
+            [tuple(e) for e in new_extra])
+
+  return Opened(fused.witness, finish, fused.poisons)
 
 
 def _nan_if_nonfinite(vectors) -> jax.Array:
@@ -336,7 +352,7 @@ def _nan_if_nonfinite(vectors) -> jax.Array:
   return jnp.where(ok, 0.0, jnp.nan).astype(jnp.float32)
 
 
-def _guard_nonfinite(carried, x, mean, sent, extra, state, axis, chunks=False):
+def _guard_nonfinite(carried, x, opened, state, axis, chunks=False):
   """A non-finite step: NaN output on every worker, nothing counted as sent, exchange state kept.
 
   ``carried``: every exchange of every stage carries NaN/Inf into the mean.
@@ -344,15 +360,24 @@ def _guard_nonfinite(carried, x, mean, sent, extra, state, axis, chunks=False):
   chunk's NaN, so the flag goes over ``axis`` (both axes) whenever there is state.
   Codecs lose NaNs (a sign bit, an unsampled position), so each worker's
   ``sum(x * 0)``-like flag (0 or NaN) is all-reduced as one float32 where needed.
+  ``opened``: the exchanges in two parts (:class:`Opened`): the flag is read from their
+  witnesses (small where a low-rank factor is one) and handed to them as a poison, so
+  an exchange that poisons its own output needs no select over it.
   """
   stateless = not jax.tree.leaves((state.memory, state.extra))
   if not x or (carried and stateless):  # exactly the exchanges' mean (lax.pmean; chunks: all-gathered)
-    return mean, sent, extra
+    return _finish(opened, None)
   if carried and not chunks:  # the exchanges put any NaN/Inf into the mean
-    bad = jnp.isnan(_nan_if_nonfinite(mean))
+    flag = _nan_if_nonfinite(jax.tree.leaves([o.witness for o in opened]))
   else:
-    bad = jnp.isnan(ops.allreduce_sum(_nan_if_nonfinite(x), axis))
-  mean = [jnp.where(bad, jnp.nan, m) for m in mean]
+    flag = ops.allreduce_sum(_nan_if_nonfinite(x), axis)
+  bad = jnp.isnan(flag)
+  mean, sent, extra = [], [], []
+  for o in opened:
+    m, loc, e = o.finish(flag)  # 0.0 or NaN
+    mean += m if o.poisons else [jnp.where(bad, jnp.nan, v) for v in m]
+    sent += loc
+    extra += e
   sent = [jnp.where(bad, 0.0, v) for v in sent]
   extra = [jax.tree.map(lambda new, old: jnp.where(bad, old, new), e, e0)
            for e, e0 in zip(extra, state.extra)]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.core import layout
-from jaxcomp.core.protocol import Exchange, StepContext
+from jaxcomp.core.protocol import Exchange, Opened, StepContext
 
 STACK_MAX = 1 << 16  # segments with more entries than this are not stacked, see groups()
 
@@ -143,6 +143,12 @@ class FusedExchange(abc.ABC):
   @abc.abstractmethod
   def __call__(self, groups, xs, extras, ctx: StepContext):
     """One ``(mean, local, extra)`` per group."""
+
+  def open(self, groups, xs, extras, ctx: StepContext) -> Opened:
+    """The call as an :class:`~jaxcomp.core.protocol.Opened` whose ``finish`` gives the list of
+    ``(mean, local, extra)``; by default it runs whole, the means the witness."""
+    out = self(groups, xs, extras, ctx)
+    return Opened([m for m, _, _ in out], lambda poison: out)
 
   @abc.abstractmethod
   def wire_bytes(self, groups) -> int:

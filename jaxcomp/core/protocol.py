@@ -249,6 +249,22 @@ class DenseCodec(Codec):
 # Exchanges: how one bucket is compressed and communicated
 
 
+class Opened(NamedTuple):
+  """An exchange in two parts (:meth:`Exchange.open`), so that the builder's non-finite guard can
+  act before the bucket-sized output is written.
+
+  ``witness``: arrays identical on every worker, non-finite whenever the exchange's mean would be
+  (read, in place of the mean, for the step's flag when the exchange ``carries_nonfinite``).
+  ``finish(poison)``: ``(mean, local, extra)``; ``poison`` is None (no guard) or a float32 scalar, 0
+  or NaN: the step's flag over every bucket. ``poisons``: ``finish(NaN)``'s mean is NaN in every entry
+  already (a low-rank method adds the poison to a small factor), so the builder selects nothing over it.
+  """
+
+  witness: Any
+  finish: Callable
+  poisons: bool = False
+
+
 class Exchange(abc.ABC):
   """Compresses and communicates one bucket (the bucket form, which the builder calls).
 
@@ -284,6 +300,11 @@ class Exchange(abc.ABC):
   @abc.abstractmethod
   def bucket_wire_bytes(self, segs: layout.Segments, workers: int | None = None) -> int:
     """Nominal bytes one worker hands to collectives for the bucket (``workers``: N, where it matters)."""
+
+  def open(self, x: jax.Array, segs: layout.Segments, extra: Any, ctx: StepContext) -> Opened:
+    """:meth:`exchange` as an :class:`Opened`; by default it runs whole, its mean the witness."""
+    result = tuple(self.exchange(x, segs, extra, ctx))
+    return Opened(result[0], lambda poison: result)
 
   def exchange_many(self, xs: list, segments: list, extras: list, ctxs: list) -> list:
     """``(mean, local, extra, x)`` of several buckets of this exchange (each with its own context):

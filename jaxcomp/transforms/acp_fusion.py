@@ -17,7 +17,7 @@ from jax import lax
 
 from jaxcomp.collectives import ops
 from jaxcomp.core.groups import FusedExchange, GroupExchange
-from jaxcomp.core.protocol import DENSE, StepContext
+from jaxcomp.core.protocol import DENSE, Opened, StepContext
 from jaxcomp.transforms.lowrank import (
   keep_nonzero_columns,
   orthogonalize_all,
@@ -270,8 +270,10 @@ class ACPFusion(FusedExchange):
       parts.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
     return locals_, fixed, parts
 
-  def _receive(self, parity, groups, fixed, parts, buckets):
-    """Means and new states of the factor groups from their summed parts of the buffers at ``parity``."""
+  def _receive(self, parity, groups, fixed, parts, buckets, poison=None):
+    """Means and new states of the factor groups from their summed parts of the buffers at ``parity``
+    (``poison``, 0 or NaN, added to the received factor that forms each mean; None: nothing added)."""
+    add = (lambda f: f) if poison is None else (lambda f: f + poison)
     role = self._roles(parity, buckets)
     got = {}
     for b, runs, part in zip(buckets, self._runs(parity, buckets), parts):
@@ -290,12 +292,12 @@ class ACPFusion(FusedExchange):
       p_rows, q_rows = _rows(role, g, len(idx))
       if p_rows.size:
         Pm = _in_order(got[g, 0]).reshape(-1, a, P.shape[-1])
-        mean = _put(mean, p_rows, jnp.einsum("gar,gbr->gab", Pm, _take(Q, p_rows)))
+        mean = _put(mean, p_rows, jnp.einsum("gar,gbr->gab", add(Pm), _take(Q, p_rows)))
         # not a plain Pm: P keeps the state's (varying) type; a zero column keeps the last one
         P = _put(P, p_rows, keep_nonzero_columns(Pm, _take(P, p_rows)))
       if q_rows.size:
         Qmt = _in_order(got[g, 1]).reshape(-1, Q.shape[-1], b)
-        mean = _put(mean, q_rows, jnp.einsum("gar,grb->gab", _take(P, q_rows), Qmt))
+        mean = _put(mean, q_rows, jnp.einsum("gar,grb->gab", _take(P, q_rows), add(Qmt)))
         Q = _put(Q, q_rows, keep_nonzero_columns(jnp.swapaxes(Qmt, 1, 2), _take(Q, q_rows)))
       means.append(mean)
       states.append((P, Q))  # a non-finite factor means a non-finite mean: build() restores them
@@ -319,6 +321,12 @@ class ACPFusion(FusedExchange):
     return {g: _in_order(v).reshape(xs[g].shape) for g, v in got.items()}
 
   def __call__(self, groups, xs, extras, ctx: StepContext):
+    return self.open(groups, xs, extras, ctx).finish(None)
+
+  def open(self, groups, xs, extras, ctx: StepContext) -> Opened:
+    """The fused all-reduce; ``finish(poison)`` forms the means with the poison added to the received
+    factors and dense leaves (a NaN poison: every entry NaN, no select over the buckets). The
+    witness is the all-reduced buffers, which hold every leaf's factor or values."""
     buckets = self.layout(groups)
     num = ctx.axis.size
     even = ctx.phase % 2 == 0  # phase wraps at 2^32 (even): the alternation never stops
@@ -332,19 +340,22 @@ class ACPFusion(FusedExchange):
     buffers = ops.allreduce_sum(buffers, ctx.axis)
     parts = [buf[b.dense_length:] for b, buf in zip(buckets, buffers)]
 
-    def receive(parity):
-      return lambda: self._receive(parity, groups, fixed, parts, buckets)
+    def finish(poison):
+      def receive(parity):
+        return lambda: self._receive(parity, groups, fixed, parts, buckets, poison)
 
-    means, states = lax.cond(even, receive(0), receive(1))
-    dense_means = self._dense_means(xs, buckets, buffers)
-    out, k = [], 0
-    for g, ((ex, _, _), X, old) in enumerate(zip(groups, xs, extras)):
-      if isinstance(ex, ACPFactors):
-        out.append((means[k], locals_[k], states[k]))
-        k += 1
-      else:
-        out.append((dense_means[g], X, old))
-    return out
+      means, states = lax.cond(even, receive(0), receive(1))
+      dense_means = self._dense_means(xs, buckets, buffers)
+      out, k = [], 0
+      for g, ((ex, _, _), X, old) in enumerate(zip(groups, xs, extras)):
+        if isinstance(ex, ACPFactors):
+          out.append((means[k], locals_[k], states[k]))
+          k += 1
+        else:
+          out.append((dense_means[g] if poison is None else dense_means[g] + poison, X, old))
+      return out
+
+    return Opened(buffers, finish, poisons=True)
 
 
 def _joined(parts):

@@ -16,7 +16,7 @@ from jaxcomp.core import layout
 from jaxcomp.core.builder import build
 from jaxcomp.core.groups import GroupExchange, join_groups, stack_group
 from jaxcomp.core.method import Method
-from jaxcomp.core.protocol import DENSE, Exchange, Memory, StepContext
+from jaxcomp.core.protocol import DENSE, Exchange, Memory, Opened, StepContext
 from jaxcomp.transforms import _args
 
 
@@ -232,7 +232,10 @@ class PowerSGDExchange(Exchange):
   def bucket_wire_bytes(self, segs, workers=None):
     return sum(self.wire_bytes(view, len(idx)) for view, idx in _view_groups(segs))
 
-  def _compressed(self, x, segs, Q, ctx: StepContext):
+  def open(self, x, segs, Q, ctx: StepContext) -> Opened:
+    """Both all-reduces; ``finish(poison)`` forms ``P Q^T`` with the poison added to the small P
+    (a NaN poison makes every entry NaN, with no select over the bucket). The witness is the two
+    all-reduced factors: a NaN/Inf in any worker's matrix reaches its rows of P."""
     groups = _view_groups(segs)
     axis = ctx.axis
     Xs = [stack_group(x, segs, view, idx) for view, idx in groups]
@@ -244,14 +247,19 @@ class PowerSGDExchange(Exchange):
     Qn = _flat([transposed_product(X, P) for X, P in zip(Xs, Ps)])  # each Q^T (G, r, cols)
     Qn = ops.allreduce_sum(Qn, axis) / axis.size  # and every Q in another
     Qts = _split(Qn, [(g, r, b) for g, b, r in self._shapes(segs)])
-    Ms = [jnp.einsum("gar,grb->gab", P, Qt) for P, Qt in zip(Ps, Qts)]
-    M = join_groups(groups, Ms, segs)
     kept = _flat([keep_nonzero_columns(jnp.swapaxes(new, 1, 2), old)
                   for new, old in zip(Qts, self.warm_start(segs, Q))])
-    return M, M, jnp.where(jnp.all(jnp.isfinite(Qn)), kept, Q)  # a NaN step must not poison the warm start
+    kept = jnp.where(jnp.all(jnp.isfinite(Qn)), kept, Q)  # a NaN step must not poison the warm start
+
+    def finish(poison):
+      Ms = [jnp.einsum("gar,grb->gab", P if poison is None else P + poison, Qt) for P, Qt in zip(Ps, Qts)]
+      M = join_groups(groups, Ms, segs)
+      return M, M, kept
+
+    return Opened((P, Qn), finish, poisons=True)
 
   def exchange(self, x, segs, extra, ctx: StepContext):
-    return self._compressed(x, segs, extra, ctx)
+    return self.open(x, segs, extra, ctx).finish(None)
 
 
 @_args.factory
