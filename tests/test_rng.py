@@ -72,3 +72,31 @@ def test_bad_key_or_shape_is_a_clear_error():
     rng.uniform(jnp.zeros((3,), jnp.uint32), (4,))
   with pytest.raises(ValueError, match="shape must have fewer than 2"):
     rng.bits(jax.random.PRNGKey(0), (1 << 16, 1 << 16))
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (3, 64, 4), (1, 30522, 4), (2, 1 << 16)])
+def test_normal_is_jax_random_normal_bit_for_bit(shape):
+  """Initial states drawn eagerly at a padded size and cut: the same bits as jax.random.normal."""
+  key = jax.random.fold_in(jax.random.PRNGKey(3), 11)
+  want = np.asarray(jax.random.normal(key, shape, jnp.float32))
+  got = rng.normal(key, shape)
+  assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == shape
+  np.testing.assert_array_equal(got, want)
+  traced = jax.jit(lambda k: rng.normal(k, shape))(key)  # under a trace: jax.random.normal itself
+  np.testing.assert_array_equal(np.asarray(traced), want)
+  typed = jax.random.wrap_key_data(key)
+  np.testing.assert_array_equal(np.asarray(rng.normal(typed, shape)), want)
+
+
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+def test_warm_start_factors_drawn_eagerly_equal_the_traced_draw(name):
+  import jaxcomp
+
+  params = {"a": jnp.zeros((3, 3, 8, 16)), "b": jnp.zeros((64, 32)), "c": jnp.zeros((64, 32)),
+            "d": jnp.zeros((9,))}
+  tx = jaxcomp.METHODS[name](axis_name=None, min_size=0)
+  eager, traced = tx.init(params), jax.jit(tx.init)(params)
+  assert jax.tree.leaves(eager.extra)
+  for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(traced)):
+    assert isinstance(a, jax.Array) and a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -310,7 +310,7 @@ def _exchange_all(method: Method, buckets, x, extras, ctx: StepContext, params):
                                     [extras[i] for i in idx], [ctxs[i] for i in idx])
       for i, r in zip(idx, done):
         results[i] = r
-    return [_done(*r[:3]) for r in zip(*results)], [r[3] for r in results]
+    return [_done([r[0]], [r[1]], [r[2]]) for r in results], [r[3] for r in results]
   return [_exchange_fused(method, buckets, x, extras, ctx)], x
 
 

@@ -95,3 +95,28 @@ def word_ints(key: jax.Array, word: int, m) -> jax.Array:
   h = words.reshape(-1)[word] + jnp.uint32(_GOLDEN) * lax.iota(jnp.uint32, m.size)
   return (_lowbias32(h) % jnp.asarray(m, jnp.uint32)).astype(jnp.int32)
 
+
+
+_MIN_DRAW = 1 << 16  # entries: a draw this size costs well under a millisecond, a compile far more
+
+
+def normal(key: jax.Array, shape) -> np.ndarray | jax.Array:
+  """``jax.random.normal(key, shape, float32)``, bit for bit, for initial states drawn eagerly.
+
+  Eagerly each new shape compiles its own threefry and inverse-CDF program (a model's
+  warm-start factors: one per view, seconds in all). Under partitionable threefry an
+  entry's bits depend only on its flat index, so a draw is the prefix of any longer one
+  with the same key: it is drawn at the next power of two, at least ``_MIN_DRAW`` entries
+  (one program per size class), and cut on the host (a numpy array). Under a trace, or
+  another PRNG setting, it is ``jax.random.normal`` itself.
+  """
+  shape = tuple(int(d) for d in shape)
+  concrete = isinstance(key, np.ndarray) or (isinstance(key, jax.Array)
+                                             and not isinstance(key, jax.core.Tracer))
+  if not (concrete and jax.config.jax_threefry_partitionable
+          and jax.config.jax_default_prng_impl == "threefry2x32"
+          and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key)):
+    return jax.random.normal(key, shape, jnp.float32)
+  n = int(np.prod(shape, dtype=np.int64))
+  drawn = jax.random.normal(key, (max(1 << max(n - 1, 0).bit_length(), _MIN_DRAW),), jnp.float32)
+  return np.asarray(drawn)[:n].reshape(shape)

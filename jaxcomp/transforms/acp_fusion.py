@@ -18,6 +18,7 @@ from jax import lax
 from jaxcomp.collectives import ops
 from jaxcomp.core.groups import FusedExchange, GroupExchange
 from jaxcomp.core.protocol import DENSE, Opened, StepContext
+from jaxcomp.kernels import rng
 from jaxcomp.transforms.lowrank import (
   keep_nonzero_columns,
   orthogonalize_all,
@@ -42,8 +43,7 @@ class ACPFactors(GroupExchange):
     a, b = view
     r = min(self.rank, a, b)
     kp, kq = jax.random.split(key)
-    return (jax.random.normal(kp, (group, a, r), jnp.float32),
-            jax.random.normal(kq, (group, b, r), jnp.float32))
+    return jnp.asarray(rng.normal(kp, (group, a, r))), jnp.asarray(rng.normal(kq, (group, b, r)))
 
   def _alone(self, view, group):
     return ACPFusion(), [(self, tuple(view), list(range(group)))]

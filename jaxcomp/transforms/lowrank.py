@@ -17,6 +17,7 @@ from jaxcomp.core.builder import build
 from jaxcomp.core.groups import GroupExchange, join_groups, stack_group
 from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import DENSE, Exchange, Memory, Opened, StepContext
+from jaxcomp.kernels import rng
 from jaxcomp.transforms import _args
 
 
@@ -211,7 +212,7 @@ class PowerSGDExchange(Exchange):
 
   def init(self, view, group, key):
     a, b = view
-    return jax.random.normal(key, (group, b, self._r(view)), jnp.float32)
+    return jnp.asarray(rng.normal(key, (group, b, self._r(view))))
 
   def wire_bytes(self, view, group):
     a, b = view
@@ -222,8 +223,11 @@ class PowerSGDExchange(Exchange):
     return [(len(idx), view[1], self._r(view)) for view, idx in _view_groups(segs)]
 
   def init_bucket(self, segs, key):
-    return _flat([self.init(view, len(idx), jax.random.fold_in(key, g))
-                  for g, (view, idx) in enumerate(_view_groups(segs))])
+    parts = [rng.normal(jax.random.fold_in(key, g), (len(idx), view[1], self._r(view)))
+             for g, (view, idx) in enumerate(_view_groups(segs))]
+    if all(isinstance(p, np.ndarray) for p in parts):  # drawn eagerly: joined on the host
+      return jnp.asarray(np.concatenate([p.reshape(-1) for p in parts]))
+    return _flat(parts)
 
   def warm_start(self, segs, extra) -> list:
     """A bucket's state (the Qs of its groups, flattened one after another) as ``(G, cols, r)`` per group."""
