@@ -96,7 +96,6 @@ def word_ints(key: jax.Array, word: int, m) -> jax.Array:
   return (_lowbias32(h) % jnp.asarray(m, jnp.uint32)).astype(jnp.int32)
 
 
-
 _MIN_DRAW = 1 << 16  # entries: a draw this size costs well under a millisecond, a compile far more
 
 
