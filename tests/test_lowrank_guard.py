@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import AXIS, host, init_stacked, memory_trees, run_pmap, set_at, worker_grads
+from harness import AXIS, host, init_stacked, memory_trees, run_pmap, run_shard_map, set_at, worker_grads
 from test_memory_copies import _pmap_temp_bytes
 
 import jaxcomp
@@ -46,6 +46,18 @@ def test_a_non_finite_entry_anywhere_poisons_every_output_and_keeps_the_state(na
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6)
   out, _ = run_pmap(tx, grads, jax.tree.map(np.asarray, state))
   assert all(np.isfinite(np.asarray(o)).all() for o in out.values())
+
+
+@pytest.mark.parametrize("name", sorted(BUILD))
+def test_under_shard_map_too(name):
+  tx = BUILD[name]()
+  state = host(init_stacked(tx, PARAMS))
+  grads = jax.tree.map(lambda g: 1e-6 * g, worker_grads(PARAMS, seed=2))
+  grads["b"] = set_at(grads["b"], (3, 0), np.nan)
+  out, after = run_shard_map(tx, grads, state)
+  assert all(np.isnan(np.asarray(o)).all() for o in out.values())
+  for new, old in zip(jax.tree.leaves(after.extra), jax.tree.leaves(state.extra)):
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
 
 
 def test_the_guard_writes_no_second_bucket():
