@@ -18,8 +18,10 @@ def _fast_compile_flags():
   that still have the switch, XLA:CPU writes its loops with its older emitter, which compiles
   faster but forms other fusions: a test that reads fusions or buffers compiles with the
   emitter users get (``harness.compile_as_users``). The suite passes under these settings and
-  under XLA's defaults. The
-  environment carries both to the processes the tests start; the benchmarks keep XLA's defaults.
+  under XLA's defaults. A test marked ``optimized`` (``_optimized``) compiles with XLA's HLO
+  optimizations but LLVM at its first level, its expensive passes off (JAX's setting, when on,
+  overrides both). The environment carries these to the processes the tests start; the benchmarks
+  keep XLA's defaults.
   Set ``JAXCOMP_TEST_XLA_DEFAULTS=1`` to run the suite with XLA's defaults.
   """
   if os.environ.get("JAXCOMP_TEST_XLA_DEFAULTS") == "1":
@@ -27,11 +29,14 @@ def _fast_compile_flags():
   from importlib.metadata import version
 
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  # what a test marked ``optimized`` compiles with (JAX's setting above overrides both elsewhere)
+  flags += [f for f in ("--xla_backend_optimization_level=1", "--xla_llvm_disable_expensive_passes=true")
+            if f.split("=")[0] not in " ".join(flags)]
   jaxlib = tuple(int(p) for p in version("jaxlib").split(".")[:2])
-  if jaxlib < (0, 11):  # the flag is gone from jaxlib 0.12, whose XLA no longer accepts it
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_use_fusion_emitters" not in flags:
-      os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_use_fusion_emitters=false").strip()
+  if jaxlib < (0, 11) and "xla_cpu_use_fusion_emitters" not in " ".join(flags):
+    flags.append("--xla_cpu_use_fusion_emitters=false")  # gone from jaxlib 0.12, whose XLA refuses it
+  os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
 _fast_compile_flags()
@@ -116,8 +121,8 @@ def _optimized(marked: bool):
   The suite's fast-compile setting (``_fast_compile_flags``) halves compile time but runs
   XLA:CPU's programs two to six times slower: the few tests that train for hundreds of steps lose
   more in running than they save in compiling (docs/benchmarks.md). A module (``pytestmark``) or test marked
-  ``pytest.mark.optimized`` compiles with the optimizations on; the processes it starts keep the
-  suite's setting.
+  ``pytest.mark.optimized`` compiles with the optimizations on (LLVM at level 1: ``_fast_compile_flags``);
+  the processes it starts keep the suite's setting.
   """
   before = jax.config.values["jax_disable_most_optimizations"]
   if marked:

@@ -19,3 +19,11 @@ def test_a_marked_test_compiles_with_the_optimizations():
 def test_an_unmarked_test_keeps_the_suite_setting():
   assert jax.config.values["jax_disable_most_optimizations"] == SUITE_SETTING
   assert SUITE_SETTING or os.environ.get("JAXCOMP_TEST_XLA_DEFAULTS") == "1"  # the fast-compile setting
+
+
+def test_a_marked_test_compiles_with_llvm_at_its_first_level():
+  """The optimized tests' LLVM setting (tests/conftest.py): XLA's HLO passes, LLVM at level 1."""
+  if os.environ.get("JAXCOMP_TEST_XLA_DEFAULTS") == "1":
+    pytest.skip("the suite runs with XLA's defaults")
+  flags = os.environ["XLA_FLAGS"].split()
+  assert "--xla_backend_optimization_level=1" in flags and "--xla_llvm_disable_expensive_passes=true" in flags
