@@ -75,6 +75,25 @@ def host(tree):
   return jax.tree.map(get, tree)
 
 
+def method(name: str, **kwargs):
+  """``jaxcomp.METHODS[name](**kwargs)``, one object per name, arguments and leaf policy.
+
+  Tests that build the same transformation share it, and with it the programs traced and compiled
+  for it (``_pmap_step`` and ``_shard_step`` are keyed on it, ``jax.jit(tx.update)`` on its update):
+  a module that checks several properties of every method compiles each method's step once. The
+  leaf policy (``jaxcomp.core.policy.MIN_SIZE``, read when a step is traced) is part of the key.
+  """
+  import jaxcomp.core.policy
+
+  return _method(name, jaxcomp.core.policy.MIN_SIZE, tuple(sorted(kwargs.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _method(name, min_size, kwargs):
+  del min_size  # a key only
+  return jaxcomp.METHODS[name](**dict(kwargs))
+
+
 def mesh(n: int = N):
   return jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
 

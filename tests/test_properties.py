@@ -38,7 +38,7 @@ def _plain_residual(tx) -> bool:
 
 @pytest.mark.parametrize("name", METHODS)
 def test_pmap_equals_shard_map_and_replicas_agree(name):
-  tx = jaxcomp.METHODS[name](axis_name=AXIS)
+  tx = harness.method(name, axis_name=AXIS)
   params = params_tree()
   state_p = state_s = init_stacked(tx, params)
   for step in range(2):
@@ -55,7 +55,7 @@ def test_pmap_equals_shard_map_and_replicas_agree(name):
 
 @pytest.mark.parametrize("name", METHODS)
 def test_measured_wire_bytes_equal_nominal(name):
-  tx = jaxcomp.METHODS[name](axis_name=AXIS)
+  tx = harness.method(name, axis_name=AXIS)
   params = params_tree()
   # after any warm-up (DGC's): the last stage's program; a staged program holds every stage
   measured = pmap_wire_bytes(jaxcomp.steady(tx), params)
@@ -73,7 +73,7 @@ def test_measured_wire_bytes_equal_nominal(name):
 @pytest.mark.parametrize("name", METHODS)
 def test_error_feedback_conserves_every_value(name):
   """Leaf by leaf: sent + new residual == old residual * beta + gamma * gradient."""
-  tx = jaxcomp.METHODS[name](axis_name=None)
+  tx = harness.method(name, axis_name=None)
   if not _plain_residual(tx):
     pytest.skip("no plain residual memory (tested in the method's own tests)")
   mem = tx.method.memory
@@ -95,7 +95,7 @@ def test_error_feedback_conserves_every_value(name):
 @pytest.mark.parametrize("name", METHODS)
 def test_state_is_float32_with_bf16_parameters(name):
   """Accumulating state (residuals, momenta, factors) is float32 whatever the parameters' dtype."""
-  tx = jaxcomp.METHODS[name](axis_name=None)
+  tx = harness.method(name, axis_name=None)
   params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params_tree())
   state = tx.init(params)
   for leaf in jax.tree.leaves((state.memory, state.extra)):
@@ -107,7 +107,7 @@ def test_state_is_float32_with_bf16_parameters(name):
 
 @pytest.mark.parametrize("name", METHODS)
 def test_unbound_axis_name_is_a_clear_error(name):
-  tx = jaxcomp.METHODS[name](axis_name="not_an_axis")
+  tx = harness.method(name, axis_name="not_an_axis")
   params = params_tree()
   with pytest.raises(ValueError, match="axis_name='not_an_axis' is not bound"):
     run_pmap(tx, worker_grads(params), init_stacked(tx, params))
@@ -116,7 +116,7 @@ def test_unbound_axis_name_is_a_clear_error(name):
 @pytest.mark.parametrize("name", METHODS)
 def test_nan_never_enters_the_state(name):
   """A NaN gradient on one worker: the state stays finite and the next step is finite."""
-  tx = jaxcomp.METHODS[name](axis_name=AXIS)
+  tx = harness.method(name, axis_name=AXIS)
   params = params_tree()
   state = init_stacked(tx, params)
   grads = worker_grads(params, seed=3)
@@ -143,7 +143,7 @@ def test_nan_never_enters_the_state(name):
 
 @pytest.mark.parametrize("name", METHODS)
 def test_integer_leaves_are_rejected(name):
-  tx = jaxcomp.METHODS[name](axis_name=None)
+  tx = harness.method(name, axis_name=None)
   params = {"w": jnp.zeros((4, 4)), "steps": jnp.zeros((3,), jnp.int32)}
   with pytest.raises(TypeError, match=r"updates: leaf \['steps'\] has dtype int32"):
     jax.eval_shape(tx.update, params, tx.init({"w": params["w"], "steps": jnp.zeros((3,))}))
