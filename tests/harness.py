@@ -18,6 +18,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
+from jaxcomp.core import policy
 
 N = 8
 AXIS = "data"
@@ -81,11 +82,9 @@ def method(name: str, **kwargs):
   Tests that build the same transformation share it, and with it the programs traced and compiled
   for it (``_pmap_step`` and ``_shard_step`` are keyed on it, ``jax.jit(tx.update)`` on its update):
   a module that checks several properties of every method compiles each method's step once. The
-  leaf policy (``jaxcomp.core.policy.MIN_SIZE``, read when a step is traced) is part of the key.
+  leaf policy (``policy.MIN_SIZE``, read when a step is traced) is part of the key.
   """
-  import jaxcomp.core.policy
-
-  return _method(name, jaxcomp.core.policy.MIN_SIZE, tuple(sorted(kwargs.items())))
+  return _method(name, policy.MIN_SIZE, tuple(sorted(kwargs.items())))
 
 
 @functools.lru_cache(maxsize=None)
