@@ -177,7 +177,7 @@ def _release_compiled_programs():
 
 
 # The heaviest modules (the most seconds of a run), started first: xdist hands whole modules to
-# the two workers in collection order (``--no-loadscope-reorder`` in pyproject.toml), so that the
+# its workers in collection order (``--no-loadscope-reorder`` in pyproject.toml), so that the
 # workers end together instead of one running a long module alone at the end of the run.
 HEAVIEST_FIRST = ("test_examples.py", "test_suite.py", "test_recipes.py", "test_scatter.py",
                   "test_properties.py", "test_checkpoint.py", "test_nnx.py", "test_fuzz.py", "test_scale.py",
