@@ -178,3 +178,22 @@ def test_rewritten_codecs_at_1e_6_inside_apply_if_finite_and_multisteps(name):
     assert_replicas_equal(p)
     assert_replicas_equal(u)
     assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(u))
+
+
+@pytest.mark.parametrize("position", [0, 63, 64, 127, 128, 255, 300, 383])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_the_step_flag_read_by_rows_finds_every_non_finite_entry(position, bad):
+  """The builder's step flag (a bucket AND-reduced as rows of two half rows, which XLA fuses with
+  the kernel that reads the bucket) is NaN for a NaN or Inf anywhere, in either half of any row,
+  compiled as the update compiles it; 0 when every entry is finite."""
+  from jaxcomp.core import builder
+
+  flag = jax.jit(builder._nan_if_nonfinite)
+  v = np.linspace(-1e-6, 1e-6, 3 * 128, dtype=np.float32)
+  other = np.ones((5,), np.float32)  # a length that is not whole rows: reduced as it is
+  assert float(flag([v, other])) == 0.0
+  v[position] = bad
+  assert np.isnan(float(flag([v, other])))
+  assert np.isnan(float(flag([other, v])))
+  other[4] = bad
+  assert np.isnan(float(flag([np.zeros_like(v), other])))

@@ -341,15 +341,26 @@ def _exchange_fused(method: Method, buckets, x, extras, ctx: StepContext):
 def _nan_if_nonfinite(vectors) -> jax.Array:
   """0.0 if every entry of ``vectors`` is finite, else NaN.
 
-  An AND-reduction of ``isfinite`` (it fuses into the kernel that produces
-  ``vectors``). Not a max of magnitudes: XLA:CPU's vectorised max-reduction
-  can drop a NaN that sits among equal values, and the step would pass as finite.
+  An AND-reduction of ``isfinite``, a bucket's rows first (:func:`_finite_rows`). Not a max of
+  magnitudes: XLA:CPU's vectorised max-reduction can drop a NaN that sits among equal values, and
+  the step would pass as finite.
   """
   ok = jnp.ones((), jnp.bool_)
   for v in vectors:
     if v.size:
-      ok = ok & jnp.all(jnp.isfinite(v))
+      ok = ok & jnp.all(_finite_rows(v))
   return jnp.where(ok, 0.0, jnp.nan).astype(jnp.float32)
+
+
+def _finite_rows(v: jax.Array) -> jax.Array:
+  """``isfinite(v)``, AND-reduced over each row of :data:`layout.ROW` entries where ``v`` is a bucket.
+
+  Each row reduced as its two half rows (:func:`layout.halves`): XLA:CPU fuses that reduction with
+  the kernel that reads ``v``, where a plain reduction first writes out a mask of ``v``'s length.
+  """
+  if v.ndim != 1 or v.size % layout.ROW:
+    return jnp.isfinite(v)
+  return layout.halves(jnp.isfinite(v).reshape(-1, layout.ROW), jnp.ones((), jnp.bool_), lax.bitwise_and)
 
 
 def _guard_nonfinite(carried, x, opened, state, axis, chunks=False):
