@@ -155,3 +155,24 @@ def test_pmap_equals_shard_map_and_wire_bytes(name):
 def test_bad_arguments(call, exc, match):
   with pytest.raises(exc, match=match):
     call()
+
+
+@pytest.mark.parametrize("name,make", [
+    ("efsignsgd", lambda: jaxcomp.efsignsgd(1.0, axis_name=AXIS)),  # lr 1: the memory does not scale it
+    ("signsgd", lambda: jaxcomp.signsgd(error_feedback=True, axis_name=AXIS))])
+def test_the_step_flag_read_from_the_scales_catches_nan_inf_and_overflow(name, make):
+  """The sign codecs' step flag comes from their scales (``Codec.witness``), not the mean: a NaN or
+  Inf on one worker, or finite gradients whose mean over the workers overflows float32 (a 2-entry
+  leaf at 1e38: each worker's scale is finite, their sum is not), still give NaN in every entry on
+  every worker; a finite step at 1e-7 gives a finite one."""
+  tx = make()
+  params = {"w": jnp.zeros((10, 10), jnp.float32), "t": jnp.zeros((2,), jnp.float32)}
+  state = harness.host(harness.init_stacked(tx, params))
+  grads = jax.tree.map(lambda g: 1e-7 * g, harness.worker_grads(params, seed=2))
+  out, state = harness.run_pmap(tx, grads, state)
+  assert all(np.isfinite(np.asarray(o)).all() for o in jax.tree.leaves(out))
+  for leaf, bad in (("w", np.nan), ("w", np.inf), ("t", 1e38)):
+    index = (slice(None),) if bad == 1e38 else (3, 1)  # the overflow on every worker
+    out, _ = harness.run_pmap(tx, dict(grads, **{leaf: harness.set_at(grads[leaf], index, bad)}), state)
+    for o in jax.tree.leaves(out):
+      assert np.isnan(np.asarray(o)).all(), (name, leaf, bad, o)

@@ -184,13 +184,9 @@ class Codec(abc.ABC):
   worker folds in its index."""
 
   carries_nonfinite: bool = False
-  """A NaN/Inf in any worker's input always reaches the decoded mean (a float
-  psum does; so does a scale or norm computed by a sum or by
-  :meth:`jaxcomp.core.layout.Segments.max_abs`, or the flag of
-  :func:`jaxcomp.collectives.packing.pack_checked`): the builder then needs no
-  flag collective and no check over the buckets of its own, which costs
-  XLA:CPU a materialised bucket (ResNet-50's signSGD update 42-50 ms with it,
-  17-22 ms without)."""
+  """A NaN/Inf in any worker's input always reaches the decoded mean (a float psum does; so does a
+  scale or norm computed by a sum or by :meth:`~jaxcomp.core.layout.Segments.max_abs`, or the flag of
+  :func:`~jaxcomp.collectives.packing.pack_checked`): the builder then needs no flag collective."""
 
   block: int = 1
   """Segments start at multiples of ``block`` and are zero-padded to one."""
@@ -202,6 +198,11 @@ class Codec(abc.ABC):
   @abc.abstractmethod
   def decode(self, payload: Any, key: jax.Array, segs: layout.Segments) -> jax.Array:
     """``x_hat`` (float32, ``segs.length``) from a payload."""
+
+  def witness(self, payloads: Any) -> Any:
+    """None, or a few floats of one payload or of every worker's (leaves ``(N, ...)``) that are
+    non-finite whenever the decoded mean would be: the step's flag is read from them, not the mean."""
+    return None
 
   def sent(self, x: jax.Array, payload: Any, key: jax.Array, segs: layout.Segments) -> jax.Array:
     """What this worker sent of ``x`` (float32, ``segs.length``), for its residual: the decode of ``payload``.
@@ -250,15 +251,12 @@ class DenseCodec(Codec):
 
 
 class Opened(NamedTuple):
-  """An exchange in two parts (:meth:`Exchange.open`), so that the builder's non-finite guard can
-  act before the bucket-sized output is written.
-
-  ``witness``: arrays identical on every worker, non-finite whenever the exchange's mean would be
-  (read, in place of the mean, for the step's flag when the exchange ``carries_nonfinite``).
-  ``finish(poison)``: ``(mean, local, extra)``; ``poison`` is None (no guard) or a float32 scalar, 0
-  or NaN: the step's flag over every bucket. ``poisons``: ``finish(NaN)``'s mean is NaN in every entry
-  already (a low-rank method adds the poison to a small factor), so the builder selects nothing over it.
-  """
+  """An exchange in two parts (:meth:`Exchange.open`): the builder's non-finite guard acts before the
+  bucket-sized output is written. ``witness``: arrays identical on every worker, non-finite whenever
+  the mean would be (read in place of the mean for the step's flag when the exchange
+  ``carries_nonfinite``). ``finish(poison)``: ``(mean, local, extra)``; ``poison`` None (no guard) or
+  the step's flag over every bucket, a float32 0 or NaN. ``poisons``: ``finish(NaN)``'s mean is NaN
+  in every entry already (a low-rank method adds it to a small factor): the builder selects nothing."""
 
   witness: Any
   finish: Callable
@@ -268,22 +266,19 @@ class Opened(NamedTuple):
 class Exchange(abc.ABC):
   """Compresses and communicates one bucket (the bucket form, which the builder calls).
 
-  ``exchange(x, segs, extra, ctx) -> (mean, local, extra)``: ``x`` is the
-  bucket (float32, ``segs.length``), ``mean`` the decoded mean over the axis
-  (identical on every worker), ``local`` what this worker's memory counts as
-  sent, ``extra`` the exchange's state for the bucket (``init_bucket``).
+  ``exchange(x, segs, extra, ctx) -> (mean, local, extra)``: ``x`` is the bucket (float32,
+  ``segs.length``), ``mean`` the decoded mean over the axis (identical on every worker), ``local``
+  what this worker's memory counts as sent, ``extra`` the exchange's state for the bucket.
   """
 
   carries_nonfinite: bool = False
-  """A NaN or Inf anywhere in any worker's bucket always makes ``mean``
-  non-finite: the builder then needs no flag collective to tell every worker."""
+  """A NaN or Inf anywhere in any worker's bucket always makes ``mean`` non-finite (no flag collective)."""
 
   block: int = 1
   """Segments start at multiples of it and are zero-padded to one."""
 
   wants_params: bool = False
-  """The exchange reads the bucket's parameters, ``ctx.params`` (float32, laid
-  out like ``x``; None when ``update`` got no ``params``)."""
+  """It reads the bucket's parameters, ``ctx.params`` (float32 like ``x``; None without ``params``)."""
 
   all_reduces: bool = False
   """Its payload travels by all-reduce only (for :func:`jaxcomp.traffic`)."""
@@ -341,6 +336,15 @@ class CodecExchange(Exchange):
     return self.codec.linear
 
   def exchange(self, x, segs, extra, ctx: StepContext):
+    return self.witnessed(x, segs, extra, ctx)[:3]
+
+  def open(self, x, segs, extra, ctx: StepContext) -> Opened:
+    """Its witness the codec's (:meth:`Codec.witness`), else the mean."""
+    mean, local, extra, witness = self.witnessed(x, segs, extra, ctx)
+    return Opened(mean if witness is None else witness, lambda poison: (mean, local, extra))
+
+  def witnessed(self, x, segs, extra, ctx: StepContext):
+    """``(mean, local, extra, witness)``: :meth:`exchange`'s, and the codec's witness or None."""
     codec = self.codec
     enc_key, dec_key = self._keys(ctx)
     if codec.linear:
@@ -349,13 +353,14 @@ class CodecExchange(Exchange):
       payload = codec.encode(scaled, enc_key, segs)
       local = codec.sent(scaled, payload, enc_key, segs) * num
       mean = codec.decode(ops.allreduce_sum(payload, ctx.axis), enc_key, segs)
-      return mean, local, extra
+      return mean, local, extra, None
     payload = codec.encode(x, enc_key, segs)
     local = codec.sent(x, payload, enc_key, segs)
     if ctx.axis.name is None:
-      return local, local, extra
+      return local, local, extra, codec.witness(payload)
     gathered = ops.allgather_payload(payload, ctx.axis)
-    return codec.aggregate(gathered, dec_key, segs, ctx.axis.size), local, extra
+    return codec.aggregate(gathered, dec_key, segs, ctx.axis.size), local, extra, codec.witness(
+        gathered.payloads())
 
   def exchange_many(self, xs, segments, extras, ctxs):
     """As :meth:`exchange` for each bucket; a group of a :class:`~jaxcomp.core.stacking.LoopCodec`'s

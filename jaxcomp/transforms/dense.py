@@ -98,7 +98,7 @@ class ScaledCastExchange(CodecExchange):
     """``t`` of :class:`ScaledCastExchange` from the all-reduced exponents ``b`` (int32 (S,))."""
     return jnp.clip(126 + FP16_TOP - b, -113, 126)
 
-  def exchange(self, x, segs, extra, ctx: StepContext):
+  def witnessed(self, x, segs, extra, ctx: StepContext):
     num = ctx.axis.size
     b = max_exponent(x, segs)
     if ctx.axis.name is not None:
@@ -108,7 +108,7 @@ class ScaledCastExchange(CodecExchange):
     payload = self.codec.encode((x / num) * up, ctx.key, segs)
     local = self.codec.decode(payload, ctx.key, segs) * down * num
     mean = self.codec.decode(ops.allreduce_sum(payload, ctx.axis), ctx.key, segs) * down
-    return mean, local, extra
+    return mean, local, extra, None
 
   def bucket_wire_bytes(self, segs, workers=None):
     """The 16-bit payload plus the int32 exponent of each segment (its all-reduce)."""

@@ -42,6 +42,13 @@ def majority_vote(gathered: packing.Gathered, n: int, ties: str = "zero") -> jnp
   return jnp.sign(votes).astype(jnp.float32)
 
 
+def head_witness(heads: jax.Array) -> jax.Array:
+  """A :meth:`~jaxcomp.core.protocol.Codec.witness` from scales that bound every decoded entry (or
+  flags, 0 or NaN, added to it): ``2 * sum(|heads|)``, non-finite when a head is or the mean could
+  overflow (no decoded entry exceeds its scale, so no mean of them exceeds their sum)."""
+  return 2.0 * jnp.sum(jnp.abs(heads.astype(jnp.float32)))
+
+
 def mean_abs(x: jax.Array, segs: Segments) -> jax.Array:
   """mean(|x|) of each segment (S,), over its true size (padding entries are zero)."""
   return segs.sum(jnp.abs(x)) / jnp.asarray(segs.sizes, jnp.float32)
@@ -70,6 +77,9 @@ class SignCodec(Codec, ScatterCodec):
     if not self.scaled:
       return packing.pack_checked(x >= 0, 1, x)
     return mean_abs(x, segs), packing.pack_signs(x)
+
+  def witness(self, payloads):
+    return head_witness(payloads[0])  # the scales bound the decode; unscaled, the flags are added to it
 
   def decode(self, payload, key, segs):
     if not self.scaled:
@@ -186,6 +196,9 @@ class ScaledSignCodec(Codec):
 
   def encode(self, x, key, segs):
     return mean_abs(x, segs), packing.pack_signs(x)
+
+  def witness(self, payloads):
+    return head_witness(payloads[0])  # |decode| = the scale
 
   def decode(self, payload, key, segs):
     scale, words = payload
