@@ -159,9 +159,10 @@ def test_bad_arguments(call, exc, match):
 
 @pytest.mark.parametrize("name,make", [
     ("efsignsgd", lambda: jaxcomp.efsignsgd(1.0, axis_name=AXIS)),  # lr 1: the memory does not scale it
-    ("signsgd", lambda: jaxcomp.signsgd(error_feedback=True, axis_name=AXIS))])
+    ("signsgd", lambda: jaxcomp.signsgd(error_feedback=True, axis_name=AXIS)),
+    ("onebit", lambda: jaxcomp.onebit(axis_name=AXIS))])
 def test_the_step_flag_read_from_the_scales_catches_nan_inf_and_overflow(name, make):
-  """The sign codecs' step flag comes from their scales (``Codec.witness``), not the mean: a NaN or
+  """The sign codecs' step flag comes from their scales or means (``Codec.witness``), not the mean: a NaN or
   Inf on one worker, or finite gradients whose mean over the workers overflows float32 (a 2-entry
   leaf at 1e38: each worker's scale is finite, their sum is not), still give NaN in every entry on
   every worker; a finite step at 1e-7 gives a finite one."""

@@ -301,6 +301,7 @@ class OneBitCodec(Codec):
   """
 
   block = 128
+  carries_nonfinite = True  # a NaN/Inf makes its side's sum, so that mean and its decodes, non-finite
 
   def encode(self, x, key, segs):
     words = packing.pack_signs(x)
@@ -310,6 +311,9 @@ class OneBitCodec(Codec):
     n_pos = jnp.asarray(segs.sizes, jnp.float32) - n_neg
     means = jnp.stack([neg / jnp.maximum(n_neg, 1.0), pos / jnp.maximum(n_pos, 1.0)])
     return means, words
+
+  def witness(self, payloads):
+    return head_witness(payloads[0])  # |decode| = one of its segment's two means
 
   def decode(self, payload, key, segs):
     means, words = payload
