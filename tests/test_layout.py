@@ -181,3 +181,27 @@ def test_segment_max_abs_keeps_a_nan_among_equal_values(bad):
   x[1234] = bad
   got = np.asarray(jax.jit(segs.max_abs)(jnp.asarray(x)))
   np.testing.assert_array_equal(got, [abs(bad), 3.0, 0.5])
+
+
+@pytest.mark.parametrize("count", [1, 8, 9, 64, 65, 130])
+def test_concat_rows_equals_one_concatenation(count):
+  rng = np.random.default_rng(count)
+  parts = [rng.standard_normal((int(rng.integers(1, 4)), jaxcomp.core.layout.ROW), np.float32)
+           for _ in range(count)]
+  got = jax.jit(lambda ps: jaxcomp.core.layout.concat_rows(ps))(parts)
+  np.testing.assert_array_equal(np.asarray(got), np.concatenate(parts))
+
+
+@pytest.mark.parametrize("name", ["bf16", "efsignsgd"])
+def test_a_bucket_of_many_leaves_is_not_copied_before_its_encode(name):
+  """XLA:CPU fuses a concatenation of at most 8 operands into its reader; a bucket of 20 leaves
+  packed as one concatenation was written out in full before the codec read it (a bucket-sized
+  copy and a pass; ``layout.concat_rows``)."""
+  from harness import compile_as_users
+  params = {f"w{i:02d}": jnp.zeros((16, 128)) for i in range(20)}
+  tx = jaxcomp.steady(jaxcomp.METHODS[name](axis_name=None, min_size=1))
+  assert len(tx.method.buckets(params)) == 1
+  grads = jax.tree.map(lambda p: 1e-5 * jnp.ones_like(p), params)
+  lowered = jax.jit(tx.update, donate_argnums=(1,)).lower(grads, jax.tree.map(jnp.copy, tx.init(params)))
+  entry = compile_as_users(lowered).as_text().split("\nENTRY")[1]
+  assert " concatenate(" not in entry, f"{name}: the bucket is concatenated on its own before its encode"

@@ -196,7 +196,7 @@ def _update(tx: CompressionTransformation, updates, state, params=None):
 
 def _bucket(full, buckets, leaves, treedef, params, fast, chunks):
   """The gradients (and the parameters exchanges want) in buckets; under a fast axis its dense mean."""
-  grads = layout.pack(full, leaves)
+  grads = layout.pack(full, leaves, DENSE)
   bucket_params = _bucket_params(full, treedef, params)
   if chunks:  # the node's mean of this worker's chunk (dense, fast axis)
     grads = hierarchy.reduce_scatter_mean(grads, buckets, fast)

@@ -10,11 +10,11 @@ its per-leaf meaning in one fused kernel, through segment reductions over
 rows of ``block`` entries.
 
 Every segment starts at a multiple of :data:`ROW` (128) entries and is
-zero-padded to one, for every exchange: a bucket is built as a
-concatenation of whole rows, several times faster on XLA:CPU than a flat
-concatenation. Padding is at most 127 entries per leaf (ResNet-50: 984 of
-25.6M entries; BERT-base: none), and codecs that send every entry (the
-16-bit casts, the dense mean) send it too, counted in the wire bytes.
+zero-padded to one, for every exchange: a bucket is built from whole rows,
+several times faster on XLA:CPU than from single entries. Padding is at
+most 127 entries per leaf (ResNet-50: 984 of 25.6M entries; BERT-base:
+none), and codecs that send every entry (the 16-bit casts, the dense mean)
+send it too, counted in the wire bytes.
 
 The error-feedback residual and every per-entry memory live in the same
 layout (one float32 vector per bucket), whatever the parameters' dtype.
@@ -34,6 +34,7 @@ from jax import lax
 BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default bucket (25 MiB)
 
 ROW = 128  # every segment starts at a multiple of ROW entries and is zero-padded to one
+FUSED_CONCAT = 8  # the most operands of a concatenation that XLA:CPU fuses into its consumer
 
 
 def _prod(shape) -> int:
@@ -308,13 +309,28 @@ def _bucket(exchange, items, block) -> Bucket:
   return Bucket(exchange, tuple(i for i, _, _ in items), segs)
 
 
-def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array]) -> list:
+def concat_rows(parts: Sequence[jax.Array]) -> jax.Array:
+  """``parts`` (each ``(rows, ROW)``) joined on their rows, :data:`FUSED_CONCAT` at a time (a tree).
+
+  XLA:CPU writes a longer concatenation out in full before the kernel that reads it (a bucket-sized
+  copy and a pass). Each level has a rank of its own, so that XLA's simplifier does not merge them."""
+  parts, depth, n = list(parts), 0, len(parts)
+  while n > FUSED_CONCAT:
+    n, depth = -(-n // FUSED_CONCAT), depth + 1
+  parts = [p.reshape((-1,) + (1,) * depth + (ROW,)) for p in parts]
+  while len(parts) > 1:
+    depth -= 1
+    parts = [(g[0] if len(g) == 1 else jnp.concatenate(g)).reshape((-1,) + (1,) * max(depth, 0) + (ROW,))
+             for g in (parts[i:i + FUSED_CONCAT] for i in range(0, len(parts), FUSED_CONCAT))]
+  return parts[0].reshape(-1, ROW)
+
+
+def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array], dense_exchange: Any = None) -> list:
   """The leaves in their buckets: one float32 vector per bucket, padding zero.
 
-  Built as a concatenation of rows of :data:`ROW` entries (each leaf padded
-  to whole rows), which XLA:CPU copies row by row; a one-dimensional
-  concatenation picks the operand of every entry on its own, several times
-  slower.
+  Rows of :data:`ROW` entries (each leaf padded to whole rows) joined by :func:`concat_rows`, fusible
+  into the kernel that reads the bucket; a bucket of ``dense_exchange`` in one concatenation, which
+  XLA's simplifier cancels against :func:`unpack`'s slices where that exchange is the identity.
   """
   out = []
   for b in buckets:
@@ -327,7 +343,7 @@ def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array]) -> list:
       flat = jnp.ravel(leaves[i]).astype(jnp.float32)
       pad = segs.padded_sizes[s] - segs.sizes[s]
       parts.append((jnp.pad(flat, (0, pad)) if pad else flat).reshape(-1, ROW))
-    out.append(jnp.concatenate(parts).reshape(-1))
+    out.append((jnp.concatenate(parts) if b.exchange is dense_exchange else concat_rows(parts)).reshape(-1))
   return out
 
 
