@@ -312,8 +312,8 @@ def _bucket(exchange, items, block) -> Bucket:
 def concat_rows(parts: Sequence[jax.Array]) -> jax.Array:
   """``parts`` (each ``(rows, ROW)``) joined on their rows, :data:`FUSED_CONCAT` at a time (a tree).
 
-  XLA:CPU writes a longer concatenation out in full before the kernel that reads it (a bucket-sized
-  copy and a pass). Each level has a rank of its own, so that XLA's simplifier does not merge them."""
+  XLA:CPU writes a concatenation of more operands out in full before the kernel that reads it (a
+  bucket-sized copy and a pass). Each level has a rank of its own: XLA's simplifier merges equal ones."""
   parts, depth, n = list(parts), 0, len(parts)
   while n > FUSED_CONCAT:
     n, depth = -(-n // FUSED_CONCAT), depth + 1
