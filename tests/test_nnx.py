@@ -65,25 +65,23 @@ def test_nnx_optimizer_equals_the_same_tx_by_hand(name):
 
   tx = _tx(name)
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  @nnx.jit
-  def nnx_step(model, opt, x, y):
-    grads = nnx.grad(_loss)(model, x, y)
-    opt.update(model, grads)
-
   hand_tx = _tx(name)
   state = hand_tx.init(params)
   merged = lambda p: nnx.merge(graphdef, nnx.State(p))  # noqa: E731
 
-  @jax.jit
   def hand_step(p, s, x, y):
     grads = jax.grad(lambda q: _loss(merged(q), x, y))(p)
     u, s = hand_tx.update(grads, s, p)
     return optax.apply_updates(p, u), s
 
+  @nnx.jit  # the user's step and the same tx by hand side by side: one program to compile, not two
+  def both_steps(model, opt, p, s, x, y):
+    grads = nnx.grad(_loss)(model, x, y)
+    opt.update(model, grads)
+    return hand_step(p, s, x, y)
+
   for t in range(3):
-    nnx_step(model, opt, *_data(t))
-    params, state = hand_step(params, state, *_data(t))
+    params, state = both_steps(model, opt, params, state, *_data(t))
 
   got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
