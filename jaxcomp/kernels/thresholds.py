@@ -41,7 +41,7 @@ def target(ratio, m) -> jax.Array:
 
 
 def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, max_ratio,
-                       sample_ratio: float, among_nonzero: bool = False) -> jax.Array:
+                       sample_ratio: float, among_nonzero: bool = False, magnitude=None) -> jax.Array:
   """Per segment, the magnitude above which about ``ratio`` of ``a`` (>= 0) lies, from a sample.
 
   The sample of a segment of n entries is ``s = max(ceil(sample_ratio * n),
@@ -50,7 +50,9 @@ def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, 
   largest entry (of its nonzero entries with ``among_nonzero``), at most the
   ``ceil(max_ratio * s)``-th. ``ratio`` may be traced; ``max_ratio`` is a float,
   or an int32 (S,) array of those bounds (:func:`sample_bounds`). When the sample holds
-  no nonzero entry, the threshold is the segment's ``max(a)``. The k-th
+  no nonzero entry, the threshold is the segment's ``max(a)``. ``magnitude``: None (``a`` holds
+  the magnitudes, >= 0), or a function of ``a`` that gives them (each reader of ``a`` then
+  computes them as it reads, see :func:`refine_thresholds`). The k-th
   largest of every sample is found exactly and at once by
   :func:`jaxcomp.kernels.segtopk.bisect_kth` on the float bit pattern (31
   counting passes over the samples, no sort).
@@ -68,7 +70,8 @@ def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, 
   base = (np.asarray(segs.offsets, np.int64)[seg_np] + stride[seg_np] * np.minimum(j, s[seg_np] - 1))
   shift = offsets.astype(jnp.int32) % jnp.asarray(stride, jnp.int32)
   pos = jnp.asarray(base.astype(np.int32)) + (shift[jnp.asarray(seg_np)] if segs.count > 1 else shift[0])
-  sample = jnp.where(jnp.asarray(used), a[pos], -1.0)
+  mag = (lambda v: v) if magnitude is None else magnitude
+  sample = jnp.where(jnp.asarray(used), mag(a[pos]), -1.0)
   bits = lax.bitcast_convert_type(sample, jnp.int32)
   # the samples as segments of their own: each starts on a row of MIN_SAMPLE entries
   starts = (np.cumsum(rows) - rows) * MIN_SAMPLE
@@ -81,7 +84,7 @@ def sampled_thresholds(a: jax.Array, segs: Segments, offsets: jax.Array, ratio, 
     pool = jnp.asarray(s, jnp.int32)
   ks = jnp.clip(target(ratio, pool).astype(jnp.int32), 1, jnp.asarray(ks_max))
   # the ks-th largest entry of each sample, exactly (padding reads -1: never counted)
-  top = segs.max(a)
+  top = segs.max(mag(a))
   lo = segtopk.bisect_kth(bits, sample_segs, ks)
   thr = lax.bitcast_convert_type(lo, jnp.float32)
   return jnp.where(thr > 0, thr, top)
@@ -99,7 +102,7 @@ def passes(a: jax.Array, thr) -> jax.Array:
 
 
 def refine_thresholds(a: jax.Array, thr: jax.Array, k, segs: Segments, low: float, high: float,
-                      up: float, down: float, iterations: int) -> jax.Array:
+                      up: float, down: float, iterations: int, magnitude=None):
   """Per segment, scales ``thr`` by ``up`` while more than ``high * k`` entries pass, by ``down``
   while fewer than ``low * k`` pass, at most ``iterations`` times (DGC: 0.7, 1.3, x1.3, x0.7, 10).
 
@@ -108,31 +111,43 @@ def refine_thresholds(a: jax.Array, thr: jax.Array, k, segs: Segments, low: floa
   whose count was closest to k, not the last one. All segments iterate
   together, one counting pass over the bucket per step; a segment inside its
   band keeps its threshold, so each follows exactly the steps it would alone.
+
+  ``magnitude``: None (``a`` holds the magnitudes, >= 0; returns the thresholds), or a function
+  of ``a`` that gives them (``a`` is then the bucket itself; returns ``(thresholds, a)``, the
+  bucket read back after the loop). Each counting pass then computes the magnitudes as it reads
+  the bucket: the bucket rides in the loop's state behind an optimization barrier, so that XLA
+  does not hoist them out of the loop and write them out in full. Read the returned bucket
+  after the loop, not ``a``: magnitudes of ``a`` computed both before and after the loop would
+  be one value to XLA, written out for its two readers.
   """
   k = jnp.broadcast_to(jnp.asarray(k, jnp.float32), (segs.count,))
+  mag = (lambda v: v) if magnitude is None else magnitude
 
-  def count(t):
-    return compaction.segment_count(passes(a, segs.spread(t)), segs).astype(jnp.float32)
+  def count(t, v):
+    return compaction.segment_count(passes(mag(v), segs.spread(t)), segs).astype(jnp.float32)
 
   def outside(m):
     return (m > high * k) | (m < low * k)
 
   def cond(c):
-    i, _, m, _, _ = c
+    i, _, m, _, _, _ = c
     return (i < iterations) & jnp.any(outside(m))
 
   def body(c):
-    i, t, m, best, gap = c
+    i, t, m, best, gap, v = c
+    v = lax.optimization_barrier(v)
     moving = outside(m)
     t = jnp.where(moving, jnp.where(m > high * k, t * up, t * down), t)
-    m = count(t)
+    m = count(t, v)
     closer = moving & (jnp.abs(m - k) < gap)
-    return i + 1, t, m, jnp.where(closer, t, best), jnp.where(closer, jnp.abs(m - k), gap)
+    return i + 1, t, m, jnp.where(closer, t, best), jnp.where(closer, jnp.abs(m - k), gap), v
 
-  m0 = count(thr)
-  c = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), thr, m0, thr, jnp.abs(m0 - k)))
-  _, t, m, best, _ = c
-  return jnp.where(outside(m), best, t)
+  v = lax.optimization_barrier(a)  # the first count's magnitudes: not those a reader before it shares
+  m0 = count(thr, v)
+  c = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), thr, m0, thr, jnp.abs(m0 - k), v))
+  _, t, m, best, _, v = c
+  out = jnp.where(outside(m), best, t)
+  return out if magnitude is None else (out, v)
 
 
 def refine_threshold(a: jax.Array, thr: jax.Array, k, low: float, high: float, up: float,

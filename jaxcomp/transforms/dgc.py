@@ -121,6 +121,11 @@ def warmup_schedule(ratio: float, warmup_steps: int, stages: int = 4) -> Schedul
   return schedule
 
 
+def magnitude(x):
+  """``|x|``, non-finite entries 0: what DGC's thresholds select from."""
+  return jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
+
+
 def capacity(n: int, max_ratio: float) -> int:
   """Payload slots for a leaf of n entries: ``ceil(1.3 * max_ratio * n)``, at most n."""
   return _args.ratio_count(min(1.0, CAPACITY_FACTOR * max_ratio), n)
@@ -153,11 +158,13 @@ class DGCExchange(Exchange, ScatterForm):
     ``bounds``: the sample ranks' upper bounds (:func:`sample_bounds`), as data; None: this
     exchange's (``max_ratio``).
     """
-    a = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
-    thr = sampled_thresholds(a, segs, rng.word_ints(key, 0, segs.sizes), ratio,
-                             self.max_ratio if bounds is None else bounds, self.sample_ratio)
+    thr = sampled_thresholds(x, segs, rng.word_ints(key, 0, segs.sizes), ratio,
+                             self.max_ratio if bounds is None else bounds, self.sample_ratio,
+                             magnitude=magnitude)
     k = jnp.maximum(target(ratio, np.asarray(segs.sizes, np.float32)), 1.0)
-    return a, refine_thresholds(a, thr, k, segs, low=0.7, high=1.3, up=1.3, down=0.7, iterations=10)
+    thr, x = refine_thresholds(x, thr, k, segs, low=0.7, high=1.3, up=1.3, down=0.7, iterations=10,
+                               magnitude=magnitude)
+    return magnitude(x), thr
 
   def payload(self, x, a, thr, key, segs: Segments):
     """What the thresholds select, at most this exchange's capacity per segment."""

@@ -176,6 +176,14 @@ def threshold(v: float | None = None, capacity: float = 0.1, *, axis_name: AxisN
 # adaq
 
 
+def _positive(x):
+  return jnp.where(x > 0, x, 0.0)
+
+
+def _negative(x):
+  return jnp.where(x < 0, -x, 0.0)
+
+
 _ADAQ_REFINE = {"low": 0.8, "high": 1.25, "up": 1.25, "down": 0.9, "iterations": 20}  # GRACE's constants
 
 
@@ -211,13 +219,14 @@ class AdaQCodec(Codec, ScatterCodec):
 
   def _masks(self, x, key, segs):
     out = []
-    for word, a in enumerate((jnp.where(x > 0, x, 0.0), jnp.where(x < 0, -x, 0.0))):
+    # each side's magnitudes computed by each reader of x, never written out (refine_thresholds)
+    for word, (side, mag) in enumerate((((x > 0), _positive), ((x < 0), _negative))):
       offsets = rng.word_ints(key, word, segs.sizes)
-      thr = sampled_thresholds(a, segs, offsets, self.ratio, self.ratio, self.sample_ratio,
-                               among_nonzero=True)
-      k = target(self.ratio, compaction.segment_count(a > 0, segs))
-      thr = refine_thresholds(a, thr, k, segs, **_ADAQ_REFINE)
-      out.append(passes(a, segs.spread(thr)))
+      thr = sampled_thresholds(x, segs, offsets, self.ratio, self.ratio, self.sample_ratio,
+                               among_nonzero=True, magnitude=mag)
+      k = target(self.ratio, compaction.segment_count(side, segs))
+      thr, read = refine_thresholds(x, thr, k, segs, **_ADAQ_REFINE, magnitude=mag)
+      out.append(passes(mag(read), segs.spread(thr)))
     return out
 
   def encode(self, x, key, segs):
