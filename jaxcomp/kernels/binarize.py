@@ -52,6 +52,11 @@ def _row_sum(per_row: jax.Array, segs: layout.Segments) -> jax.Array:
   return jax.ops.segment_sum(per_row, segs.row_segment, segs.count, indices_are_sorted=True)
 
 
+def _negative(bits):
+  """The magnitudes' patterns of the entries < 0 (sign bit set), 0 elsewhere."""
+  return jnp.where(bits < 0, bits & SIGN, 0)
+
+
 def sided_thresholds(bits: jax.Array, segs: layout.Segments, k: np.ndarray):
   """Per segment, the bit patterns of the ``k``-th largest positive entry and ``k``-th largest negative one.
 
@@ -66,18 +71,18 @@ def sided_thresholds(bits: jax.Array, segs: layout.Segments, k: np.ndarray):
   A side with fewer than ``k`` entries gets 0.
 
   The sampled search keeps the bucket it reads in memory (its passes are
-  loops), so each side's patterns there are a bucket-sized int32 array. The
-  positive side reads ``bits`` itself, not ``max(bits, 0)``: the ``k``-th
+  loops); the negative side's patterns are computed from ``bits`` by each of
+  its passes (never written out). The positive side reads ``bits`` itself, not ``max(bits, 0)``: the ``k``-th
   largest of ``max(bits, 0)`` is ``max(., 0)`` of that of ``bits`` (a
   monotone map), and the search's counts at every candidate >= 1 are the
   same on both, so its result clamped at 0 is exact and the bucket is held
   once for that side, not twice.
   """
-  negative = jnp.where(bits < 0, bits & SIGN, 0)
   if segtopk.sampled(segs):
     tp = jnp.maximum(segtopk.kth_largest_bits(bits, segs, k), 0)
-    return tp, segtopk.kth_largest_bits(negative, segs, k)
-  rows_p, rows_n = segs.rows(jnp.maximum(bits, 0)), segs.rows(negative)
+    tn, _ = segtopk.kth_largest_bits(bits, segs, k, of=_negative)  # never written out
+    return tp, tn
+  rows_p, rows_n = segs.rows(jnp.maximum(bits, 0)), segs.rows(_negative(bits))
   k = jnp.asarray(k, jnp.int32)
 
   def body(i, t):

@@ -154,26 +154,31 @@ def group_plans(segments: Sequence[Segments], ks: Sequence) -> list:
   return out
 
 
-def _sample(bits: jax.Array, p: Plan) -> jax.Array:
-  """One entry of each stratum of each segment (a hashed offset in it); -1 in the sample's padding."""
+def _identity(v):
+  return v
+
+
+def _sample(src: jax.Array, p: Plan, of=_identity) -> jax.Array:
+  """One entry of each stratum of each segment (a hashed offset in it) of ``of(src)``; -1 in the sample's
+  padding."""
   sp, segs = p.sample, p.segs
   local = jnp.arange(sp.length, dtype=jnp.int32) - sp.spread(jnp.asarray(sp.offsets, jnp.int32))
   stride = sp.spread(jnp.asarray(p.stride, jnp.int32))
   jitter = ((local.astype(jnp.uint32) * jnp.uint32(2654435761)) >> 16).astype(jnp.int32) % stride
   pos = sp.spread(jnp.asarray(segs.offsets, jnp.int32)) + local * stride + jitter
   valid = local < sp.spread(jnp.asarray(sp.sizes, jnp.int32))
-  return jnp.where(valid, bits[jnp.clip(pos, 0, segs.length - 1)], -1)
+  return jnp.where(valid, of(src[jnp.clip(pos, 0, segs.length - 1)]), -1)
 
 
-def _band_kth(bits, words, p: Plan, t_lo, t_hi, need):
-  """Per segment, the ``need_s``-th largest of the entries in ``[t_lo, t_hi]``.
+def _band_kth(src, words, p: Plan, t_lo, t_hi, need, of=_identity):
+  """Per segment, the ``need_s``-th largest of the entries of ``of(src)`` in ``[t_lo, t_hi]``.
 
   ``words``: the packed mask of those entries (segments with ``t_lo < t_hi`` only).
   """
   segs = p.segs
   wide = t_lo < t_hi
   idx, _ = compaction.compact(words, segs.length, p.capacity)
-  vals = jnp.where(idx < segs.length, bits[jnp.minimum(idx, segs.length - 1)], -1)
+  vals = jnp.where(idx < segs.length, of(src[jnp.minimum(idx, segs.length - 1)]), -1)
   seg = compaction.segment_of(idx, segs)
 
   def count(t):
@@ -191,26 +196,30 @@ def _band_kth(bits, words, p: Plan, t_lo, t_hi, need):
   return jnp.where(wide, lo, t_hi)
 
 
-def _bisect_missed(bits: jax.Array, segs: Segments, k, missed, found) -> jax.Array:
-  """``found``, but for the ``missed`` segments the ``k_s``-th largest of ``bits`` by bisection.
+def _bisect_missed(src: jax.Array, segs: Segments, k, missed, found, of=_identity):
+  """``(found, src)``, but for the ``missed`` segments the ``k_s``-th largest of ``of(src)`` by bisection.
 
   One pass over the bucket per step, and no step at all when nothing was
-  missed (the loop's condition is false from the start).
+  missed (the loop's condition is false from the start). ``src`` rides in the
+  loop's state behind an optimization barrier and each pass computes ``of(src)``
+  as it reads it: XLA would otherwise hoist ``of(src)`` out of the loop and write
+  it out in full. The ``src`` returned is the one read back after the loop.
   """
-  rows = segs.rows(bits)
   k = jnp.asarray(k, jnp.int32)
   lo0 = jnp.where(missed, 0, found)
   hi0 = jnp.where(missed, jnp.int32(2 ** 31 - 1), found + 1)
 
-  def body(lohi):
-    lo, hi = lohi
+  def body(c):
+    lo, hi, src = c
+    src = lax.optimization_barrier(src)
+    rows = segs.rows(of(src))
     mid = lo + (hi - lo) // 2
     words = compaction.pack_mask((rows >= mid[segs.row_segment][:, None]).reshape(-1))
     enough = compaction.segment_word_sum(compaction.popcount(words), segs) >= k
-    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid), src
 
-  lo, _ = lax.while_loop(lambda lohi: jnp.any(lohi[1] - lohi[0] > 1), body, (lo0, hi0))
-  return lo
+  lo, _, src = lax.while_loop(lambda c: jnp.any(c[1] - c[0] > 1), body, (lo0, hi0, src))
+  return lo, src
 
 
 def sampled(segs: Segments) -> bool:
@@ -226,29 +235,42 @@ def sampled(segs: Segments) -> bool:
   return jax.default_backend() == "cpu" and segs.block % compaction.WORD == 0 and segs.length > SAMPLE_ALL
 
 
-def kth_largest_bits(bits: jax.Array, segs: Segments, k: np.ndarray) -> jax.Array:
+def kth_largest_bits(bits: jax.Array, segs: Segments, k: np.ndarray, of=None):
   """Per segment, the ``k_s``-th largest value of ``bits`` (int32 (S,), non-negative), exactly.
 
   A sample brackets it, a pass counts the bracket, a bisection over its
   compacted entries finds it (module docstring); a segment whose bracket
   misses is bisected over the bucket (31 passes, only when one misses).
+  ``of``: an elementwise function of ``bits`` that gives the values searched, computed by each
+  reader and never written out; the result is then ``(kth, bits read back after the search)``
+  (see :func:`_kth`).
   """
-  return _kth(bits, plan(segs, k))
+  return _kth(bits, plan(segs, k), of)
 
 
-def _kth(bits: jax.Array, p: Plan) -> jax.Array:
-  """:func:`kth_largest_bits` by a plan; a segment with ``k = 0`` (padding) is never missed."""
+def _kth(src: jax.Array, p: Plan, of=None):
+  """:func:`kth_largest_bits` by a plan; a segment with ``k = 0`` (padding) is never missed.
+
+  ``of``: None (``src`` holds the non-negative int32 values searched), or an elementwise function
+  of ``src`` that gives them; each reader then computes them as it reads (none writes them out),
+  and the result is ``(kth, src)``, ``src`` as read back after the search: read that one after it
+  (values computed from the ``src`` passed in would be one value to XLA with the search's own
+  readers, written out in full for all of them).
+  """
   segs, k = p.segs, jnp.asarray(p.k, jnp.int32)
   if p.sample is None:
-    return bisect_kth(bits, segs, k)
-  sample = _sample(bits, p)
+    kth = bisect_kth(src if of is None else of(src), segs, k)
+    return kth if of is None else (kth, src)
+  fn = _identity if of is None else of
+  sample = _sample(src, p, fn)
   t_hi, t_lo = jax.vmap(lambda r: bisect_kth(sample, p.sample, r))(jnp.stack([jnp.asarray(p.rank_hi),
                                                                            jnp.asarray(p.rank_lo)]))
   none = k == 0
   t_lo = jnp.where(none, t_hi, t_lo)
   # Packed masks (a word per 32 entries) rather than int32 per entry: nothing of the bucket's size is written.
-  above_words = compaction.pack_mask(bits > segs.spread(t_hi))
-  reach_words = compaction.pack_mask(bits >= segs.spread(t_lo))
+  values = fn(src)
+  above_words = compaction.pack_mask(values > segs.spread(t_hi))
+  reach_words = compaction.pack_mask(values >= segs.spread(t_lo))
   above = compaction.segment_word_sum(compaction.popcount(above_words), segs)
   reach = compaction.segment_word_sum(compaction.popcount(reach_words), segs)
   inside = reach - above
@@ -257,8 +279,9 @@ def _kth(bits: jax.Array, p: Plan) -> jax.Array:
   captured = compaction.prefix_sum(held) <= p.capacity
   ok = ((above < k) & (reach >= k) & ((t_lo == t_hi) | captured)) | none
   band = jnp.where(compaction.segment_words(held > 0, segs), reach_words & ~above_words, jnp.uint32(0))
-  found = _band_kth(bits, band, p, t_lo, t_hi, k - above)
-  return _bisect_missed(bits, segs, k, ~ok, found)
+  found = _band_kth(src, band, p, t_lo, t_hi, k - above, fn)
+  kth, src = _bisect_missed(src, segs, k, ~ok, found, fn)
+  return kth if of is None else (kth, src)
 
 
 def segmented_topk(x: jax.Array, segs: Segments, k: np.ndarray) -> jax.Array:
@@ -276,8 +299,9 @@ def topk_positions(x: jax.Array, p: Plan) -> jax.Array:
   """:func:`segmented_topk` by a plan: int32 ``(p.total,)``, ``p.segs.length`` in unused slots."""
   segs = p.segs
   k = jnp.asarray(p.k, jnp.int32)
+  kth, x = _kth(x, p, compaction.abs_bits)  # |x|'s bits computed by each reader, never written out
   bits = compaction.abs_bits(x)
-  t = jnp.where(k == 0, jnp.int32(2 ** 31 - 1), _kth(bits, p))  # k = 0: nothing selected
+  t = jnp.where(k == 0, jnp.int32(2 ** 31 - 1), kth)  # k = 0: nothing selected
   t_entry = segs.spread(t)
   strict = compaction.pack_mask(bits > t_entry)
   ties = compaction.pack_mask(bits == t_entry) & ~strict
