@@ -168,6 +168,22 @@ def transposed_product(X: jax.Array, P: jax.Array) -> jax.Array:
   return jnp.einsum("gar,gab->grb", P, X)
 
 
+def decompress(groups, Ps, Qts):
+  """``P Q^T`` of each matrix, one product per matrix: ``(segment groups, products)`` for
+  :func:`join_groups`, a group of one segment per matrix.
+
+  The factors are batched per view, the products are not: a product of a batch would be cut into
+  its matrices twice, for the output's leaves and for the bucket, and XLA:CPU copies each cut;
+  a matrix's own product is its output leaf as it stands.
+  """
+  single, Ms = [], []
+  for (view, idx), P, Qt in zip(groups, Ps, Qts):
+    for j, s in enumerate(idx):
+      single.append((view, [s]))
+      Ms.append(jnp.matmul(P[j], Qt[j])[None])
+  return single, Ms
+
+
 def _flat(parts) -> jax.Array:
   parts = [p.reshape(-1) for p in parts]
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -188,7 +204,8 @@ class PowerSGDExchange(Exchange):
   """P = M orth(Q) -> all-reduce -> orthogonalize -> Q = M^T P -> all-reduce -> M_hat = P Q^T, per bucket.
 
   Inside a bucket the matrices of one view are batched (one einsum per
-  distinct view, as torch's ``batch_tensors_with_same_shape``), and the P
+  distinct view, as torch's ``batch_tensors_with_same_shape``; the products
+  ``P Q^T`` are formed matrix by matrix, :func:`decompress`), and the P
   factors of every view travel in one all-reduce, the Q factors in another
   (transposed, ``(G, r, cols)``: :func:`transposed_product`): two
   collectives per bucket. The state of a bucket is one float32 vector:
@@ -256,8 +273,7 @@ class PowerSGDExchange(Exchange):
     kept = jnp.where(jnp.all(jnp.isfinite(Qn)), kept, Q)  # a NaN step must not poison the warm start
 
     def finish(poison):
-      Ms = [jnp.einsum("gar,grb->gab", P if poison is None else P + poison, Qt) for P, Qt in zip(Ps, Qts)]
-      M = join_groups(groups, Ms, segs)
+      M = join_groups(*decompress(groups, [P if poison is None else P + poison for P in Ps], Qts), segs)
       return M, M, kept
 
     return Opened((P, Qn), finish, poisons=True)
