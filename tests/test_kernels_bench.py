@@ -49,7 +49,14 @@ def test_caching_malloc_is_left_out_when_asked_or_already_set(monkeypatch):
 
 @pytest.mark.parametrize("models", ["", "resnet", "bert,gpt2"])
 def test_kernels_refuses_unknown_models(models):
-  out = _run("--models", models, "--no-memory")
+  from jaxcomp_bench import kernels
+
+  with pytest.raises(SystemExit, match="--models takes resnet50 and/or bert"):
+    kernels.main(["--models", models, "--no-memory"])
+
+
+def test_the_command_exits_with_the_refusal():
+  out = _run("--models", "resnet", "--no-memory")
   assert out.returncode != 0 and "--models takes resnet50 and/or bert" in out.stderr
 
 
