@@ -18,7 +18,7 @@ MAX_TOP_LEVEL_MODULES = 10  # the rest in subpackages named for their layer
 # Method.sync_every) and the attributes of a jaxcomp transformation: never probed with getattr.
 CAPABILITIES = {"linear", "shared_key", "carries_nonfinite", "block", "wants_params", "all_reduces",
                 "vmappable", "scatter_codec", "owner_codec", "selects", "leaf_segments", "sync_every",
-                "method", "dense_axis_name", "axis_name", "compressor"}
+                "method", "dense_axis_name", "axis_name", "compressor", "by_segment"}
 PLUGIN_BASES = ("Memory", "Codec", "Exchange")  # in jaxcomp.core.protocol
 
 

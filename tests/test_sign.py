@@ -14,6 +14,12 @@ import pytest
 from harness import check_against, run_steps, small_params, step_grads
 
 import jaxcomp
+from jaxcomp.collectives import packing
+from jaxcomp.core.builder import build
+from jaxcomp.core.layout import Segments
+from jaxcomp.core.method import Method
+from jaxcomp.core.protocol import CodecExchange, Memory, flat_route
+from jaxcomp.transforms import sign
 
 pytestmark = pytest.mark.usefixtures("every_leaf_module")  # small trees on purpose: compress every leaf
 
@@ -177,3 +183,54 @@ def test_the_step_flag_read_from_the_scales_catches_nan_inf_and_overflow(name, m
     out, _ = harness.run_pmap(tx, dict(grads, **{leaf: harness.set_at(grads[leaf], index, bad)}), state)
     for o in jax.tree.leaves(out):
       assert np.isnan(np.asarray(o)).all(), (name, leaf, bad, o)
+
+
+# ----------------------------------------------------------------------------
+# signSGD's signs packed leaf by leaf
+
+
+def test_signs_packed_segment_by_segment_are_the_bucket_packing():
+  """``pack_by_segment`` gives ``pack_checked``'s words and flag for segments back to back on whole rows
+  (signed zeros, NaN and Inf included) and declines segments that are not."""
+  segs = Segments((0, 256, 384), (200, 128, 1000), ((200,), (128,), (1000,)), 128)
+  x = np.random.default_rng(0).standard_normal(segs.length).astype(np.float32)
+  x[[3, 260]], x[200:256] = (0.0, -0.0), 0.0  # a zero, a negative zero, the first segment's padding
+  for planted in (None, np.nan, -np.inf):
+    y = harness.set_at(x, 700, planted) if planted is not None else x
+    got_flag, got = sign.pack_by_segment(jnp.asarray(y), segs)
+    want_flag, want = packing.pack_checked(jnp.asarray(y) >= 0, 1, jnp.asarray(y))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got_flag), np.asarray(want_flag))
+  assert sign.pack_by_segment(jnp.zeros(16), Segments((0, 8), (8, 8), ((8,), (8,)), 8)) is None
+  assert sign.pack_by_segment(jnp.zeros(256), Segments((128,), (128,), ((128,),), 128)) is None
+
+
+def _signsgd(by_segment: bool, axis_name):
+  codec = sign.SignCodec(by_segment=by_segment)
+  return build(Method("signsgd", flat_route(CodecExchange(codec)), Memory(enabled=False)), axis_name)
+
+
+def test_signsgd_packs_each_leaf_where_it_lies():
+  """signSGD without memory packs each leaf's signs from the leaf itself: its outputs are those of the
+  bucket's packing (8 workers, two steps, a NaN on one worker in the second), and its compiled update
+  writes no bucket out (the bucket's packing writes the concatenated leaves first)."""
+  params = {f"w{i}": jnp.zeros((32, 20 + i)) for i in range(12)}  # twelve leaves, one bucket
+  assert all(b.exchange.codec.by_segment for b in jaxcomp.signsgd(axis_name=AXIS).method.buckets(params))
+  leaves, whole = _signsgd(True, AXIS), _signsgd(False, AXIS)
+  s_leaves, s_whole = harness.init_stacked(leaves, params), harness.init_stacked(whole, params)
+  for t in range(2):
+    g = harness.worker_grads(params, seed=t)
+    if t:
+      g["w3"] = harness.set_at(g["w3"], (5, 1, 2), np.nan)
+    out_l, s_leaves = harness.run_pmap(leaves, g, s_leaves)
+    out_w, s_whole = harness.run_pmap(whole, g, s_whole)
+    harness.assert_trees_close(out_l, out_w, rtol=0, atol=0)
+    harness.assert_trees_close(s_leaves, s_whole, rtol=0, atol=0)
+  assert np.isnan(out_l["w3"]).all()
+  grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
+  temp = {}
+  for name, tx in (("leaves", _signsgd(True, None)), ("whole", _signsgd(False, None))):
+    lowered = jax.jit(tx.update).lower(grads, tx.init(params))
+    temp[name] = harness.compile_as_users(lowered).memory_analysis().temp_size_in_bytes
+  bucket = 4 * sum(p.size for p in jax.tree.leaves(params))
+  assert temp["leaves"] < bucket / 2 < bucket <= temp["whole"], (temp, bucket)

@@ -30,7 +30,7 @@ from jaxcomp.core import checks, layout, policy
 from jaxcomp.core.compression import CompressionTransformation, Settings, record_init
 from jaxcomp.core.groups import groups, join_groups, stack_group
 from jaxcomp.core.method import Method
-from jaxcomp.core.protocol import DENSE, CompressState, MemoryStep, Opened, StepContext
+from jaxcomp.core.protocol import DENSE, CodecExchange, CompressState, MemoryStep, Opened, StepContext
 from jaxcomp.exchanges import hierarchy
 from jaxcomp.training import finite
 
@@ -196,7 +196,7 @@ def _update(tx: CompressionTransformation, updates, state, params=None):
 
 def _bucket(full, buckets, leaves, treedef, params, fast, chunks):
   """The gradients (and the parameters exchanges want) in buckets; under a fast axis its dense mean."""
-  grads = layout.pack(full, leaves, DENSE)
+  grads = layout.pack(full, leaves, _flat)
   bucket_params = _bucket_params(full, treedef, params)
   if chunks:  # the node's mean of this worker's chunk (dense, fast axis)
     grads = hierarchy.reduce_scatter_mean(grads, buckets, fast)
@@ -204,6 +204,11 @@ def _bucket(full, buckets, leaves, treedef, params, fast, chunks):
   elif fast is not None:  # not chunkable: the node's mean of every bucket
     grads = [g / fast.size for g in ops.allreduce_sum(tuple(grads), fast)]
   return grads, bucket_params
+
+
+def _flat(exchange) -> bool:
+  """Packed flat: the dense exchange's buckets (slices cancel against the unpack's), a by-segment codec's."""
+  return exchange is DENSE or (isinstance(exchange, CodecExchange) and exchange.codec.by_segment)
 
 
 def _bucket_params(buckets, treedef, params):

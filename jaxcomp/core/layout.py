@@ -325,12 +325,12 @@ def concat_rows(parts: Sequence[jax.Array]) -> jax.Array:
   return parts[0].reshape(-1, ROW)
 
 
-def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array], dense_exchange: Any = None) -> list:
+def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array], flat: Callable = lambda ex: False) -> list:
   """The leaves in their buckets: one float32 vector per bucket, padding zero.
 
   Rows of :data:`ROW` entries (each leaf padded to whole rows) joined by :func:`concat_rows`, fusible
-  into the kernel that reads the bucket; a bucket of ``dense_exchange`` in one concatenation, which
-  XLA's simplifier cancels against :func:`unpack`'s slices where that exchange is the identity.
+  into the kernel that reads the bucket; a bucket whose exchange is ``flat`` in one concatenation, whose
+  slices XLA's simplifier folds back into the leaves (:func:`unpack`'s, a by-segment encode's).
   """
   out = []
   for b in buckets:
@@ -340,10 +340,10 @@ def pack(buckets: Sequence[Bucket], leaves: Sequence[jax.Array], dense_exchange:
       continue
     parts = []
     for s, i in enumerate(b.leaves):
-      flat = jnp.ravel(leaves[i]).astype(jnp.float32)
+      v = jnp.ravel(leaves[i]).astype(jnp.float32)
       pad = segs.padded_sizes[s] - segs.sizes[s]
-      parts.append((jnp.pad(flat, (0, pad)) if pad else flat).reshape(-1, ROW))
-    out.append((jnp.concatenate(parts) if b.exchange is dense_exchange else concat_rows(parts)).reshape(-1))
+      parts.append((jnp.pad(v, (0, pad)) if pad else v).reshape(-1, ROW))
+    out.append((jnp.concatenate(parts) if flat(b.exchange) else concat_rows(parts)).reshape(-1))
   return out
 
 

@@ -1,8 +1,7 @@
 """The plugin protocol: the state, the step's context, and the three kinds of plugin.
 
-A method is made of a :class:`Memory` (error feedback), and per bucket of
-gradients an :class:`Exchange` that compresses and communicates it. Most
-exchanges are a :class:`Codec` (encode, decode) wrapped in a
+A method is made of a :class:`Memory` (error feedback), and per bucket of gradients an :class:`Exchange`
+that compresses and communicates it. Most exchanges are a :class:`Codec` (encode, decode) wrapped in a
 :class:`CodecExchange`; the builder (:mod:`jaxcomp.core.builder`) runs, per step::
 
     x, carry = memory.compensate(grads, state.memory)     # error feedback in
@@ -10,17 +9,15 @@ exchanges are a :class:`Codec` (encode, decode) wrapped in a
     memory = memory.update(x, local, state.memory, MemoryStep(buckets, mean, carry))  # keep what was not sent
     out = memory.output(mean)
 
-Every optional capability of a plugin is a class attribute declared here
-with its default; a plugin overrides the ones it has. Which base to
-subclass, by the shape of the problem (see ``docs/adding-a-method.md``):
+Every optional capability of a plugin is a class attribute declared here with its default; a plugin
+overrides the ones it has. Which base to subclass, by the shape of the problem (``docs/adding-a-method.md``):
 
 - a compressor of a flat vector whose payload is a fixed-shape pytree:
   :class:`Codec` (moved by :class:`CodecExchange`: a psum if ``linear``,
   else one all-gather of its packed bytes);
 - an exchange that needs its own collectives or state per bucket (PowerSGD's
   two psums, DGC's adjusted thresholds, SBC's schedule): :class:`Exchange`;
-- an exchange written per leaf shape (a stack of same-view leaves):
-  :class:`jaxcomp.core.groups.GroupExchange`;
+- an exchange per leaf shape (a stack of same-view leaves): :class:`jaxcomp.core.groups.GroupExchange`;
 - one exchange for every bucket of a step at once (ACP-SGD's fused
   all-reduce): :class:`jaxcomp.core.groups.FusedExchange` over group exchanges.
 """
@@ -190,6 +187,9 @@ class Codec(abc.ABC):
 
   block: int = 1
   """Segments start at multiples of ``block`` and are zero-padded to one."""
+
+  by_segment: bool = False
+  """``encode`` reads one segment's slice at a time: its bucket is packed flat (slices fold into leaves)."""
 
   @abc.abstractmethod
   def encode(self, x: jax.Array, key: jax.Array, segs: layout.Segments) -> Any:

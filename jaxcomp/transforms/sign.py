@@ -16,7 +16,7 @@ from jax import lax
 from jaxcomp.collectives import ops, packing
 from jaxcomp.collectives.axis import AxisName
 from jaxcomp.core.builder import build
-from jaxcomp.core.layout import Segments
+from jaxcomp.core.layout import ROW, Segments
 from jaxcomp.core.method import Method
 from jaxcomp.core.protocol import Codec, CodecExchange, Memory, flat_route, zero_after
 from jaxcomp.exchanges.scatter import ScatterCodec
@@ -42,6 +42,23 @@ def majority_vote(gathered: packing.Gathered, n: int, ties: str = "zero") -> jnp
   return jnp.sign(votes).astype(jnp.float32)
 
 
+def pack_by_segment(x: jax.Array, segs: Segments):
+  """``pack_checked(x >= 0, 1, x)``, each segment's slice packed by itself, or None unless the segments
+  lie back to back on whole rows of ``ROW`` entries (then the words and the flag are the same).
+
+  Packed flat (``Codec.by_segment``), a bucket of leaves is a concatenation whose slices XLA folds back
+  into the leaves: each leaf's signs are packed where it lies, and the bucket is never written out.
+  """
+  ends = [o + p for o, p in zip(segs.offsets, segs.padded_sizes)]
+  back_to_back = list(segs.offsets) == [0] + ends[:-1] and ends[-1] == x.shape[0]
+  if not back_to_back or any(e % ROW for e in ends):
+    return None
+  rows = x.reshape(-1, ROW)  # whole rows, as the bucket was packed: slices XLA folds into its leaves
+  parts = [lax.slice_in_dim(rows, o // ROW, e // ROW).reshape(-1) for o, e in zip(segs.offsets, ends)]
+  parts = [packing.pack_checked(v >= 0, 1, v) for v in parts]
+  return sum((f for f, _ in parts[1:]), parts[0][0]), jnp.concatenate([w for _, w in parts])
+
+
 def head_witness(heads: jax.Array) -> jax.Array:
   """A :meth:`~jaxcomp.core.protocol.Codec.witness` from scales that bound every decoded entry (or
   flags, 0 or NaN, added to it): ``2 * sum(|heads|)``, non-finite when a head is or the mean could
@@ -62,11 +79,13 @@ class SignCodec(Codec, ScatterCodec):
   ``mean|x| * sign(x)`` and the vote is scaled by the workers' mean of it.
   Unscaled: one float32 flag per bucket instead, 0.0 or NaN when ``x`` holds
   a NaN/Inf (:func:`jaxcomp.collectives.packing.pack_checked`), added to the decode.
-  ``ties``: see :func:`majority_vote`.
+  ``ties``: see :func:`majority_vote`. ``by_segment`` (unscaled): each segment's signs packed by
+  themselves (:func:`pack_by_segment`), for a bucket that is the leaves themselves (no memory).
   """
 
   scaled: bool = False
   ties: str = "zero"
+  by_segment: bool = False
   carries_nonfinite = True  # the scale is a sum of |x|; unscaled, the flag
 
   @property
@@ -75,7 +94,8 @@ class SignCodec(Codec, ScatterCodec):
 
   def encode(self, x, key, segs):
     if not self.scaled:
-      return packing.pack_checked(x >= 0, 1, x)
+      packed = pack_by_segment(x, segs) if self.by_segment else None
+      return packing.pack_checked(x >= 0, 1, x) if packed is None else packed
     return mean_abs(x, segs), packing.pack_signs(x)
 
   def witness(self, payloads):
@@ -182,7 +202,7 @@ def signsgd(*, axis_name: AxisName = None, error_feedback: bool = False, seed: i
   """
   ef = _args.flag("error_feedback", error_feedback)
   ties = _args.choice("ties", ties, TIES)
-  codec = SignCodec(scaled=ef, ties=ties)
+  codec = SignCodec(scaled=ef, ties=ties, by_segment=not ef)  # without memory the bucket is the leaves
   return build(Method("signsgd", flat_route(CodecExchange(codec)), Memory(enabled=ef)), axis_name, seed,
                bucket_bytes=bucket_bytes, min_size=min_size, dense=dense, dense_axis_name=dense_axis_name,
                transport=transport)
