@@ -15,6 +15,9 @@ import pytest
 from harness import compile_as_users
 
 import jaxcomp
+from jaxcomp.collectives import packing
+from jaxcomp.core import layout
+from jaxcomp.transforms.quantize import QSGDCodec
 
 PARAMS = {"a": jnp.zeros((96, 64)), "b": jnp.zeros((64,)), "c": jnp.zeros((3, 3, 16, 32))}
 
@@ -86,6 +89,38 @@ def test_what_a_sparse_method_sent_is_not_a_decoded_bucket(name):
   tx = jaxcomp.METHODS[name.split("_")[0]](**options)
   ratio = _pmap_temp_bytes(tx, params=LEAF) / _pmap_temp_bytes(jaxcomp.none(axis_name="data"), params=LEAF)
   assert ratio <= 1.5, (name, ratio)
+
+
+# One leaf, a one-byte code all-gathered: the 8 workers' codes are 2x the dense step's bucket by
+# themselves (the gather transport's floor). The decoded sum was a carry divided after the loop into a
+# second bucket (3.00x); the last worker's turn divides it, so the loop's result is the mean (2.00x).
+@pytest.mark.parametrize("name", ["qsgd", "u8bit"])
+def test_a_gathered_codes_mean_is_the_loops_own_result(name):
+  tx = jaxcomp.METHODS[name](axis_name="data")
+  ratio = _pmap_temp_bytes(tx, params=LEAF) / _pmap_temp_bytes(jaxcomp.none(axis_name="data"), params=LEAF)
+  assert ratio <= 2.05, (name, ratio)
+
+
+@pytest.mark.parametrize("workers", [1, 3, 8])
+def test_the_mean_of_gathered_codes_is_their_sum_in_worker_order_divided_once(workers):
+  codec = QSGDCodec(levels=127)  # a decode that rounds: the sum's order shows in the bits
+  segs = layout.Segments((0,), (4096,), ((4096,),), 128)
+  xs = 1e-4 * jax.random.normal(jax.random.PRNGKey(1), (workers, 4096))
+  keys = jax.random.split(jax.random.PRNGKey(2), workers)
+  gathered = packing.Gathered.of(jax.vmap(lambda x, k: codec.encode(x, k, segs))(xs, keys))
+  key = jax.random.PRNGKey(3)
+
+  def summed_then_divided(buffers):  # the loop's result divided after it (the earlier form)
+    g = packing.Gathered(buffers, gathered.like)
+    decoded = lambda w: codec.decode(g.payload(w), key, segs)
+    return jax.lax.fori_loop(1, workers, lambda w, acc: acc + decoded(w), decoded(0)) / workers
+
+  got = jax.jit(lambda b: codec.aggregate(packing.Gathered(b, gathered.like), key, segs, workers))
+  want, got = jax.jit(summed_then_divided)(gathered.buffers), got(gathered.buffers)
+  # the same sum up to XLA:CPU's contraction of the decode's product into the add (a fused
+  # multiply-add rounds once): within a few units of the last place of the largest entry
+  assert float(jnp.max(jnp.abs(got - want))) <= 4e-7 * float(jnp.max(jnp.abs(want))), workers
+  assert float(jnp.max(jnp.abs(want))) > 0
 
 
 # A warm-up's stages in one lax.switch (DGC's default five, a RedSync ratio warm-up): each branch

@@ -44,14 +44,12 @@ class CompressState(NamedTuple):
   Attributes:
     count: int32 number of updates so far (saturates instead of overflowing).
     key: uint32[2] PRNG key, identical on every worker (split once per step).
-    memory: the memory's state in the bucket layout: the error-feedback
-      residual (one float32 vector per bucket), a momentum, or ``()``. Read it
-      as a tree like the gradients with :func:`jaxcomp.memory_tree`.
-    extra: one entry per bucket for exchanges that keep state (PowerSGD's
-      warm-started Q), else ``()``.
-    phase: uint32 number of updates modulo 2^32 (wraps instead of saturating),
-      for periodic schedules: ACP-SGD's alternation, SBC's sync every ``delay``
-      steps. A saturated ``count`` would freeze them.
+    memory: the memory's state in the bucket layout: the error-feedback residual (one float32 vector
+      per bucket), a momentum, or ``()``. Read it as a tree like the gradients with
+      :func:`jaxcomp.memory_tree`.
+    extra: one entry per bucket for exchanges that keep state (PowerSGD's warm-started Q), else ``()``.
+    phase: uint32 number of updates modulo 2^32 (wraps instead of saturating), for periodic schedules:
+      ACP-SGD's alternation, SBC's sync every ``delay`` steps. A saturated ``count`` would freeze them.
   """
 
   count: jax.Array
@@ -95,12 +93,11 @@ class MemoryStep(NamedTuple):
 class Memory:
   """Error feedback: ``x = beta * e + gamma * g``; ``e <- x - sent``; output / gamma.
 
-  The base class is plain error feedback (``enabled=False``: none); other
-  memories (DGC's momentum correction, EF21, Signum's momentum) subclass it
-  and override the steps they change. Non-finite values never enter the
-  residual: where the input ``x`` is not finite the residual is reset to 0
-  (the NaN/Inf still reaches this step's output); where the local decode is
-  not finite nothing usable was sent, so the whole finite ``x`` is kept.
+  The base class is plain error feedback (``enabled=False``: none); other memories (DGC's momentum
+  correction, EF21, Signum's momentum) subclass it and override the steps they change. Non-finite
+  values never enter the residual: where the input ``x`` is not finite the residual is reset to 0 (the
+  NaN/Inf still reaches this step's output); where the local decode is not finite nothing usable was
+  sent, so the whole finite ``x`` is kept.
   """
 
   def __init__(self, beta: float = 1.0, gamma: float = 1.0, enabled: bool = True):
@@ -220,17 +217,20 @@ class Codec(abc.ABC):
                 num: int) -> jax.Array:
     """Mean over the workers of the ``gathered`` payloads (:class:`~jaxcomp.collectives.packing.Gathered`).
 
-    Decoded and accumulated one worker at a time, in worker order (the same
-    float result on every worker): no ``N x n`` array of decoded payloads,
-    and each worker's fields read from the gathered bytes inside the loop.
+    Decoded and accumulated one worker at a time, in worker order (the same float result on every
+    worker): no ``N x n`` array of decoded payloads, and each worker's fields read from the gathered
+    bytes inside the loop. The last worker's turn divides the sum, so the loop's result is the mean
+    (no bucket-sized carry beside it); the carry starts as worker 0's decode (its type, shard_map's
+    varying-ness included, the body's).
     """
     def decoded(w):
       return self.decode(gathered.payload(w), key, segs).astype(jnp.float32)
 
-    # Starting from worker 0's decode keeps the carry's type (shard_map's
-    # varying-ness included) that of the body's.
-    total = lax.fori_loop(1, gathered.workers, lambda w, acc: acc + decoded(w), decoded(0))
-    return total / num
+    def body(w, acc):
+      acc = acc + decoded(w)
+      return jnp.where(w == gathered.workers - 1, acc / num, acc)
+
+    return decoded(0) / num if gathered.workers == 1 else lax.fori_loop(1, gathered.workers, body, decoded(0))
 
 
 class DenseCodec(Codec):
