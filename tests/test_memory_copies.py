@@ -94,7 +94,9 @@ def test_what_a_sparse_method_sent_is_not_a_decoded_bucket(name):
 # One leaf, a one-byte code all-gathered: the 8 workers' codes are 2x the dense step's bucket by
 # themselves (the gather transport's floor). The decoded sum was a carry divided after the loop into a
 # second bucket (3.00x); the last worker's turn divides it, so the loop's result is the mean (2.00x).
-@pytest.mark.parametrize("name", ["qsgd", "u8bit"])
+# Natural's encode wrote its rounded exponents as int32 for its maxima and its packing (2.25x after
+# the change above); the maxima now draw again, fused into their reduction (2.00x).
+@pytest.mark.parametrize("name", ["qsgd", "u8bit", "natural"])
 def test_a_gathered_codes_mean_is_the_loops_own_result(name):
   tx = jaxcomp.METHODS[name](axis_name="data")
   ratio = _pmap_temp_bytes(tx, params=LEAF) / _pmap_temp_bytes(jaxcomp.none(axis_name="data"), params=LEAF)

@@ -212,19 +212,24 @@ class NaturalCodec(Codec):
   def levels(self) -> int:
     return 2 ** (self.bits - 1) - 1
 
-  def encode(self, x, key, segs):
+  @staticmethod
+  def rounded(x, key):
+    """``(h, sign, e, m, e1)``: each entry's draw, sign, biased exponent, mantissa, and its exponent
+    rounded up with probability ``m / 2**23`` (``e1``; 0 for zero, 255 for NaN/Inf)."""
     # One draw per entry: entries at or above the lowest level use its top 23
     # bits to round the mantissa, those below use it as a uniform; never both.
     h = rng.bits(key, x.shape)
     b = lax.bitcast_convert_type(x, jnp.uint32)
-    sign = b >> 31
-    e = ((b >> 23) & 0xFF).astype(jnp.int32)
-    m = b & _MANTISSA
-    finite = e < 255
+    sign, e, m = b >> 31, ((b >> 23) & 0xFF).astype(jnp.int32), b & _MANTISSA
     # |x| = 2**(e-127) * (1 + m / 2**23) rounds up to 2**(e-126) with probability m / 2**23.
     up = m > (h >> 9)
-    e1 = jnp.where(e == 0, 0, jnp.where(finite, e + up.astype(jnp.int32), 255))
-    top = segs.max(e1)
+    return h, sign, e, m, jnp.where(e == 0, 0, jnp.where(e < 255, e + up.astype(jnp.int32), 255))
+
+  def encode(self, x, key, segs):
+    # The maxima draw again from the key through a barrier (the same bits): XLA fuses the rounding into
+    # the reduction and again into the packing, and writes no int32 exponent per entry between them.
+    top = segs.max(self.rounded(x, lax.optimization_barrier(key))[-1])
+    h, sign, e, m, e1 = self.rounded(x, key)
     top_e = segs.spread(top)
     low = jnp.maximum(top_e - self.levels + 1, 1)
     # Below the lowest level: 0 or 2**(low-127), up with probability |x| / 2**(low-127).
